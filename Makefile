@@ -1,0 +1,51 @@
+# prefixlb — two commands: `make run` (a working local cluster) and `make test` (the whole suite).
+PYTHON ?= python3
+VENV   ?= .venv
+PY      = $(VENV)/bin/python
+PIP     = $(VENV)/bin/pip
+TORCH_VERSION ?= 2.13.0
+STAMP   = $(VENV)/.installed
+TEST_STAMP = $(VENV)/.installed-test
+PYTEST_ARGS ?=
+
+.PHONY: run test test-fast test-slow install install-test redis lint clean bench-engine
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# torch is pinned and installed first so that a CPU machine never pulls a multi-GB CUDA build.
+$(STAMP): pyproject.toml | $(VENV)/bin/python
+	$(PIP) install -q "torch==$(TORCH_VERSION)"
+	$(PIP) install -q -e .
+	touch $@
+
+$(TEST_STAMP): pyproject.toml $(STAMP)
+	$(PIP) install -q -e '.[test]'
+	touch $@
+
+install: $(STAMP)
+install-test: $(TEST_STAMP)
+
+## make run: install, then start a router on 127.0.0.1:8000 in front of 2 CPU workers.
+run: install
+	$(VENV)/bin/prefixlb run
+
+## make redis: make sure a Redis answers on 127.0.0.1:6379 (start or install it if needed).
+redis:
+	@scripts/ensure-redis.sh
+
+## make test: the whole suite (unit + integration with real Redis and real processes).
+test: install-test redis
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+## make test-fast: unit tests only, for iterating.
+test-fast: install-test
+	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
+
+## make test-slow: the long chaos and soak tests left out of `make test`.
+test-slow: install-test redis
+	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,4 @@
+"""``python -m prefixlb`` is the ``prefixlb`` command."""
+from prefixlb.cli import main
+
+raise SystemExit(main())

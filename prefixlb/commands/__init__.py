@@ -1,0 +1,1 @@
+"""One module per `prefixlb` subcommand, each with `main(argv) -> int`."""

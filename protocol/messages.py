@@ -1,0 +1,125 @@
+"""Messages that cross between workers and routers: registry entries, load reports, KV events.
+
+All are plain dataclasses with ``to_dict`` / ``from_dict`` (JSON-friendly; unknown fields are
+ignored so that newer workers can talk to older routers and the other way round).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class MessageError(ValueError):
+    """A message could not be decoded (wrong types, missing fields)."""
+
+
+def _from_dict(cls: type[T], data: Any) -> T:
+    if not isinstance(data, dict):
+        raise MessageError(f"{cls.__name__}: expected an object")
+    names = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    kwargs = {k: v for k, v in data.items() if k in names}
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise MessageError(f"{cls.__name__}: {exc}") from exc
+
+
+class _Message:
+    def to_dict(self) -> dict[str, Any]:
+        """The message as a JSON-friendly dict."""
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    def to_json(self) -> str:
+        """The message as compact JSON."""
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls: type[T], data: Any) -> T:
+        """Decode from a dict; unknown keys are ignored, missing required ones raise."""
+        return _from_dict(cls, data)
+
+    @classmethod
+    def from_json(cls: type[T], text: str | bytes) -> T:
+        """Decode from JSON text."""
+        try:
+            return _from_dict(cls, json.loads(text))
+        except json.JSONDecodeError as exc:
+            raise MessageError(str(exc)) from exc
+
+
+@dataclass(slots=True)
+class WorkerInfo(_Message):
+    """A worker's registry entry: who it is, where it listens, what it serves."""
+
+    worker_id: str
+    url: str
+    model: str
+    block_size: int = 16
+    chunk_size: int = 128
+    capacity_tokens: int = 0
+    max_num_seqs: int = 0
+    status: str = "ready"  # "ready" | "draining"
+    simulated: bool = False
+    started_at: float = field(default_factory=time.time)
+
+
+@dataclass(slots=True)
+class LoadReport(_Message):
+    """A worker's load and measured speed, sent as a heartbeat and served at ``GET /load``.
+
+    The router converts ``queued_prefill_tokens`` and ``running`` into seconds of pending work
+    with ``prefill_tokens_per_s`` and ``decode_step_s``; those are measured by the worker on
+    its recent steps (a profile's values until it has measured).
+    """
+
+    worker_id: str
+    running: int = 0
+    waiting: int = 0
+    queued_prefill_tokens: int = 0
+    running_tokens: int = 0  # context tokens of running requests (decode pressure)
+    kv_usage: float = 0.0  # used blocks / total blocks
+    free_blocks: int = 0
+    total_blocks: int = 0
+    cached_blocks: int = 0
+    block_size: int = 16
+    capacity_tokens: int = 0
+    max_num_seqs: int = 0
+    max_num_batched_tokens: int = 0
+    prefill_tokens_per_s: float = 0.0
+    decode_step_s: float = 0.0
+    status: str = "ready"
+    ts: float = field(default_factory=time.time)
+
+
+KV_STORED = "stored"
+KV_REMOVED = "removed"
+KV_CLEARED = "cleared"
+KV_EVENT_KINDS = (KV_STORED, KV_REMOVED, KV_CLEARED)
+
+
+@dataclass(slots=True)
+class KVEvent(_Message):
+    """A batch of changes to what a worker holds, in the router's chunk hashes.
+
+    ``stored``: the worker now holds the prefixes named by ``hashes``; ``removed``: it no
+    longer does; ``cleared``: it holds nothing (start-up, cache reset); ``hashes`` is empty.
+    ``seq`` increases by one per event of a worker so that a gap (lost events) is visible.
+    """
+
+    worker_id: str
+    kind: str
+    hashes: list[int] = field(default_factory=list)
+    chunk_size: int = 128
+    seq: int = 0
+    ts: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KV_EVENT_KINDS:
+            raise MessageError(f"KVEvent: unknown kind {self.kind!r}")
+        if not isinstance(self.hashes, list) or not all(isinstance(h, int) for h in self.hashes):
+            raise MessageError("KVEvent: hashes must be a list of integers")

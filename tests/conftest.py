@@ -1,0 +1,42 @@
+"""Fixtures shared by the whole suite: a real Redis (with an isolated key prefix per test)."""
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+
+import pytest
+
+REDIS_HOST = os.environ.get("PREFIXLB_TEST_REDIS_HOST", "127.0.0.1")
+REDIS_PORT = int(os.environ.get("PREFIXLB_TEST_REDIS_PORT", "6379"))
+
+
+def _redis_answers() -> bool:
+    try:
+        with socket.create_connection((REDIS_HOST, REDIS_PORT), timeout=1) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def redis_server_url() -> str:
+    """URL of the real Redis `make test` guarantees (scripts/ensure-redis.sh)."""
+    if not _redis_answers():
+        pytest.fail(f"Redis does not answer on {REDIS_HOST}:{REDIS_PORT}: run `make redis`")
+    return f"redis://{REDIS_HOST}:{REDIS_PORT}/0"
+
+
+@pytest.fixture
+def redis_prefix(redis_server_url: str):
+    """A key prefix unique to this test; its keys are deleted afterwards."""
+    import redis
+
+    prefix = f"prefixlb-test-{uuid.uuid4().hex[:10]}:"
+    yield prefix
+    client = redis.Redis.from_url(redis_server_url)
+    keys = list(client.scan_iter(match=prefix + "*", count=1000))
+    if keys:
+        client.delete(*keys)
+    client.close()

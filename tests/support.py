@@ -1,0 +1,122 @@
+"""Test support: free ports, real child processes, polling with a deadline (never bare sleeps)."""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, TypeVar
+
+ROOT = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate: Callable[[], T], timeout: float = 30.0, interval: float = 0.05,
+             what: str = "condition") -> T:
+    """Poll ``predicate`` until it returns something truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    last_exc: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except Exception as exc:  # noqa: BLE001 - keep polling until the deadline
+            last_exc = exc
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}" + (f": {last_exc!r}" if last_exc else ""))
+
+
+def http_ok(url: str, timeout: float = 1.0) -> bool:
+    """True when GET ``url`` answers 2xx."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return 200 <= resp.status < 300
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+@dataclass
+class Proc:
+    """A child process started by :func:`spawn`; its output goes to ``log``."""
+
+    args: list[str]
+    popen: subprocess.Popen
+    log: Path
+    port: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            self.popen.send_signal(sig)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL after ``timeout`` seconds."""
+        if not self.alive():
+            return
+        with contextlib.suppress(ProcessLookupError):
+            self.popen.send_signal(signal.SIGCONT)
+            self.popen.terminate()
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait(5)
+
+
+def spawn(args: list[str], log_dir: Path, name: str, port: int | None = None,
+          ready_path: str | None = "/health", timeout: float = 60.0,
+          env: dict[str, str] | None = None) -> Proc:
+    """Start ``python -m prefixlb <args>`` and wait until ``GET ready_path`` answers 2xx."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = log_dir / f"{name}.log"
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    fh = open(log, "wb")
+    popen = subprocess.Popen([sys.executable, "-m", "prefixlb", *args], stdout=fh,
+                             stderr=subprocess.STDOUT, env=full_env, cwd=ROOT)
+    proc = Proc(args=args, popen=popen, log=log, port=port)
+    if ready_path is not None and port is not None:
+        try:
+            wait_for(lambda: not proc.alive() or http_ok(proc.url + ready_path), timeout,
+                     what=f"{name} at {proc.url}{ready_path}")
+        except TimeoutError:
+            proc.stop()
+            raise
+        if not proc.alive():
+            raise RuntimeError(f"{name} exited early:\n{proc.output()[-4000:]}")
+    return proc
+
+
+@contextlib.contextmanager
+def processes() -> Iterator[list[Proc]]:
+    """A list to put started processes in; all are stopped on exit, even on failure."""
+    procs: list[Proc] = []
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
