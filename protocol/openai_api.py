@@ -1,0 +1,525 @@
+"""OpenAI request bodies: read them within limits, validate them, and say precisely what is wrong.
+
+Router and worker both validate with this module (it is pure: no HTTP library), so a request
+is judged the same way at the door and at the replica. Every problem raises
+:class:`OpenAIError` carrying the HTTP status and OpenAI's error shape::
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens", "code": null}}
+
+A hostile client cannot make validation expensive or crash it: the body size, JSON nesting
+depth, string sizes, list lengths and numbers are all bounded by :class:`RequestLimits`, invalid
+UTF-8 and lone surrogates are refused, and booleans never pass for numbers. Unknown fields are
+ignored (as vLLM does), but known fields whose behaviour we do not implement (penalties,
+``logit_bias``, ``echo``, ...) are refused when set to anything but their neutral value: a
+request is never silently served differently from what it asked.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+INVALID_REQUEST = "invalid_request_error"
+NOT_FOUND = "not_found_error"
+SERVICE_UNAVAILABLE = "service_unavailable_error"
+SERVER_ERROR = "server_error"
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT32_MAX = 2**31 - 1
+
+
+class OpenAIError(Exception):
+    """An error for the client, with its HTTP status, in OpenAI's shape (see :func:`error_body`)."""
+
+    def __init__(self, status: int, message: str, type: str = INVALID_REQUEST,
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body to send."""
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = INVALID_REQUEST, param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """``{"error": {"message", "type", "param", "code"}}``, the shape OpenAI clients parse."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    """A 400 ``invalid_request_error``."""
+    return OpenAIError(400, message, INVALID_REQUEST, param, code)
+
+
+def model_not_found(model: str, served: list[str]) -> OpenAIError:
+    """A 404 for a model this server does not serve."""
+    return OpenAIError(404, f"The model {model!r} does not exist; served: {', '.join(served)}",
+                       NOT_FOUND, "model", "model_not_found")
+
+
+def body_too_large(limit: int) -> OpenAIError:
+    """A 413 for a body over ``limit`` bytes."""
+    return OpenAIError(413, f"Request body is larger than the limit of {limit} bytes",
+                       INVALID_REQUEST, None, "request_too_large")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """Bounds on what one request may contain (defaults fit 1M-token prompts, nothing absurd)."""
+
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_depth: int = 32
+    max_prompt_chars: int = 8 * 1024 * 1024
+    max_name_chars: int = 256
+    max_messages: int = 4096
+    max_content_parts: int = 512
+    max_prompt_token_ids: int = 1_048_576
+    max_stop: int = 16
+    max_stop_chars: int = 1024
+    max_stop_token_ids: int = 256
+    max_tokens: int = 1_048_576
+    max_n: int = 8
+    max_logprobs: int = 20
+    max_tools: int = 256
+
+
+DEFAULT_LIMITS = RequestLimits()
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json_body(raw: bytes, limits: RequestLimits = DEFAULT_LIMITS) -> dict[str, Any]:
+    """Decode a request body into a JSON object, or raise a 4xx :class:`OpenAIError`.
+
+    413 over ``max_body_bytes``; 400 for invalid UTF-8, malformed JSON, ``NaN``/``Infinity``,
+    nesting deeper than ``max_depth``, lone surrogates, or a top level that is not an object.
+    """
+    if len(raw) > limits.max_body_bytes:
+        raise body_too_large(limits.max_body_bytes)
+    if not raw.strip():
+        raise bad_request("Request body is empty; expected a JSON object")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise bad_request(f"Request body is not valid UTF-8 (byte {exc.start})") from None
+    try:
+        body = json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise bad_request(f"JSON nesting is deeper than {limits.max_depth} levels") from None
+    except ValueError as exc:  # json.JSONDecodeError and rejected constants
+        raise bad_request(f"Request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request("Request body must be a JSON object")
+    _check_tree(body, limits.max_depth)
+    return body
+
+
+def _check_tree(root: Any, max_depth: int) -> None:
+    """Iteratively bound the depth and refuse strings that cannot be encoded (lone surrogates)."""
+    stack: list[tuple[Any, int]] = [(root, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise bad_request("Request contains an invalid unicode string (lone surrogate)") from None
+            continue
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth > max_depth:
+            raise bad_request(f"JSON nesting is deeper than {max_depth} levels")
+        children = value.values() if isinstance(value, dict) else value
+        if isinstance(value, dict):
+            stack.extend((k, depth) for k in value)
+        stack.extend((child, depth + 1) for child in children)
+
+
+# --------------------------------------------------------------------------- field readers
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int(body: dict, name: str, default: int | None, lo: int, hi: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _is_int(value):
+        raise bad_request(f"'{name}' must be an integer", name)
+    if not lo <= value <= hi:
+        raise bad_request(f"'{name}' must be between {lo} and {hi}, got {value}", name)
+    return value
+
+
+def _float(body: dict, name: str, default: float, lo: float, hi: float,
+           lo_open: bool = False) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise bad_request(f"'{name}' must be a number", name)
+    if value > hi or value < lo or (lo_open and value == lo):
+        bound = f"greater than {lo}" if lo_open else f"at least {lo}"
+        raise bad_request(f"'{name}' must be {bound} and at most {hi}, got {value}", name)
+    return float(value)
+
+
+def _bool(body: dict, name: str, default: bool = False) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_request(f"'{name}' must be a boolean", name)
+    return value
+
+
+def _name(body: dict, name: str, limits: RequestLimits, required: bool = False) -> str | None:
+    value = body.get(name)
+    if value is None:
+        if required:
+            raise bad_request(f"'{name}' is required", name)
+        return None
+    if not isinstance(value, str):
+        raise bad_request(f"'{name}' must be a string", name)
+    if required and not value:
+        raise bad_request(f"'{name}' must not be empty", name)
+    if len(value) > limits.max_name_chars:
+        raise bad_request(f"'{name}' is longer than {limits.max_name_chars} characters", name)
+    return value
+
+
+def _neutral(body: dict, name: str, neutral: Any, what: str) -> None:
+    value = body.get(name)
+    if value is None or value == neutral and type(value) is not bool:
+        return
+    raise bad_request(f"'{name}' is not supported by this server ({what})", name, "unsupported")
+
+
+# --------------------------------------------------------------------------- sampling
+
+@dataclass(slots=True)
+class SamplingOptions:
+    """The generation settings shared by completions and chat, validated.
+
+    ``logprobs`` is ``None`` (no logprobs) or the number of top alternatives to return with
+    each sampled token's own logprob. ``top_k`` 0 means disabled. ``max_tokens`` ``None`` means
+    "up to the context length".
+    """
+
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    n: int = 1
+
+
+def _stop(body: dict, limits: RequestLimits) -> list[str]:
+    value = body.get("stop")
+    if value is None:
+        return []
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise bad_request("'stop' must be a string or a list of strings", "stop")
+    if len(items) > limits.max_stop:
+        raise bad_request(f"'stop' may hold at most {limits.max_stop} sequences", "stop")
+    for s in items:
+        if not s:
+            raise bad_request("'stop' sequences must not be empty", "stop")
+        if len(s) > limits.max_stop_chars:
+            raise bad_request(f"'stop' sequences are limited to {limits.max_stop_chars} characters", "stop")
+    return list(items)
+
+
+def _token_ids(body: dict, name: str, max_len: int) -> list[int]:
+    value = body.get(name)
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(_is_int(t) for t in value):
+        raise bad_request(f"'{name}' must be a list of integers", name)
+    if len(value) > max_len:
+        raise bad_request(f"'{name}' may hold at most {max_len} ids", name)
+    if any(t < 0 or t > INT32_MAX for t in value):
+        raise bad_request(f"'{name}' ids must be between 0 and {INT32_MAX}", name)
+    return list(value)
+
+
+
+def _check_unsupported(body: dict) -> None:
+    _neutral(body, "frequency_penalty", 0, "penalties are not implemented")
+    _neutral(body, "presence_penalty", 0, "penalties are not implemented")
+    _neutral(body, "repetition_penalty", 1, "penalties are not implemented")
+    _neutral(body, "min_p", 0, "min_p sampling is not implemented")
+    _neutral(body, "min_tokens", 0, "min_tokens is not implemented")
+    value = body.get("logit_bias")
+    if value is not None and not isinstance(value, dict):
+        raise bad_request("'logit_bias' must be an object", "logit_bias")
+    if value:
+        raise bad_request("'logit_bias' is not supported by this server", "logit_bias", "unsupported")
+
+
+def _sampling(body: dict, limits: RequestLimits, max_tokens: int | None, logprobs: int | None) -> SamplingOptions:
+    _check_unsupported(body)
+    n = _int(body, "n", 1, 1, limits.max_n)
+    best_of = _int(body, "best_of", None, 1, limits.max_n)
+    if best_of is not None and best_of != n:
+        raise bad_request("'best_of' different from 'n' is not supported", "best_of", "unsupported")
+    top_k = _int(body, "top_k", 0, -1, 1 << 20)
+    return SamplingOptions(
+        max_tokens=max_tokens,
+        temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        top_k=0 if top_k == -1 else top_k,  # vLLM spells "disabled" as -1
+        seed=_int(body, "seed", None, INT64_MIN, INT64_MAX),
+        stop=_stop(body, limits),
+        stop_token_ids=_token_ids(body, "stop_token_ids", limits.max_stop_token_ids),
+        ignore_eos=_bool(body, "ignore_eos"),
+        logprobs=logprobs,
+        n=n or 1,
+    )
+
+
+def _stream(body: dict) -> tuple[bool, bool]:
+    stream = _bool(body, "stream")
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not isinstance(options, dict):
+        raise bad_request("'stream_options' must be an object", "stream_options")
+    if not stream:
+        raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    return stream, _bool(options, "include_usage")
+
+
+@dataclass(slots=True)
+class _Common:
+    model: str
+    sampling: SamplingOptions
+    stream: bool
+    include_usage: bool
+    user: str | None
+    session_id: str | None
+    cache_salt: str | None
+    lora_adapter: str | None
+
+
+def _common(body: dict, limits: RequestLimits, max_tokens: int | None, logprobs: int | None) -> _Common:
+    model = _name(body, "model", limits, required=True)
+    stream, include_usage = _stream(body)
+    return _Common(
+        model=model or "",
+        sampling=_sampling(body, limits, max_tokens, logprobs),
+        stream=stream,
+        include_usage=include_usage,
+        user=_name(body, "user", limits),
+        session_id=_name(body, "session_id", limits),
+        cache_salt=_name(body, "cache_salt", limits),
+        lora_adapter=_name(body, "lora_adapter", limits),
+    )
+
+
+# --------------------------------------------------------------------------- requests
+
+@dataclass(slots=True)
+class CompletionRequest:
+    """A validated ``POST /v1/completions`` body: one prompt, text or token ids."""
+
+    model: str
+    prompt: str | list[int]
+    sampling: SamplingOptions
+    stream: bool = False
+    include_usage: bool = False
+    user: str | None = None
+    session_id: str | None = None
+    cache_salt: str | None = None
+    lora_adapter: str | None = None
+    body: dict[str, Any] = field(default_factory=dict)
+    chat = False
+
+
+@dataclass(slots=True)
+class ChatCompletionRequest:
+    """A validated ``POST /v1/chat/completions`` body; ``messages`` keep their original dicts."""
+
+    model: str
+    messages: list[dict[str, Any]]
+    sampling: SamplingOptions
+    tools: list[dict[str, Any]] | None = None
+    stream: bool = False
+    include_usage: bool = False
+    user: str | None = None
+    session_id: str | None = None
+    cache_salt: str | None = None
+    lora_adapter: str | None = None
+    body: dict[str, Any] = field(default_factory=dict)
+    chat = True
+
+
+def _prompt(body: dict, limits: RequestLimits) -> str | list[int]:
+    if "prompt" not in body or body["prompt"] is None:
+        raise bad_request("'prompt' is required", "prompt")
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one prompt is that prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise bad_request("Batched prompts are not supported; send one request per prompt", "prompt",
+                          "unsupported")
+    if isinstance(prompt, str):
+        if len(prompt) > limits.max_prompt_chars:
+            raise bad_request(f"'prompt' is longer than {limits.max_prompt_chars} characters", "prompt")
+        return prompt
+    if isinstance(prompt, list):
+        if not prompt:
+            raise bad_request("'prompt' must not be an empty list", "prompt")
+        return _token_ids({"prompt": prompt}, "prompt", limits.max_prompt_token_ids)
+    raise bad_request("'prompt' must be a string or a list of token ids", "prompt")
+
+
+def parse_completion_request(body: dict[str, Any], limits: RequestLimits = DEFAULT_LIMITS) -> CompletionRequest:
+    """Validate a completions body (already decoded by :func:`parse_json_body`)."""
+    prompt = _prompt(body, limits)
+    if _bool(body, "echo"):
+        raise bad_request("'echo' is not supported by this server", "echo", "unsupported")
+    if body.get("suffix") is not None:
+        raise bad_request("'suffix' is not supported by this server", "suffix", "unsupported")
+    max_tokens = _int(body, "max_tokens", 16, 1, limits.max_tokens)
+    logprobs = _int(body, "logprobs", None, 0, limits.max_logprobs)
+    c = _common(body, limits, max_tokens, logprobs)
+    return CompletionRequest(c.model, prompt, c.sampling, c.stream, c.include_usage, c.user,
+                             c.session_id, c.cache_salt, c.lora_adapter, body)
+
+
+def _content(content: Any, param: str, limits: RequestLimits) -> int:
+    """Validate a message's content; return its size in characters."""
+    if content is None:
+        return 0
+    if isinstance(content, str):
+        return len(content)
+    if not isinstance(content, list):
+        raise bad_request("'content' must be a string, null or a list of content parts", param)
+    if len(content) > limits.max_content_parts:
+        raise bad_request(f"'content' may hold at most {limits.max_content_parts} parts", param)
+    size = 0
+    for j, part in enumerate(content):
+        p = f"{param}[{j}]"
+        if not isinstance(part, dict) or not isinstance(part.get("type", "text"), str):
+            raise bad_request("content parts must be objects with a string 'type'", p)
+        if part.get("type", "text") == "text":
+            if not isinstance(part.get("text"), str):
+                raise bad_request("a text content part needs a string 'text'", f"{p}.text")
+            size += len(part["text"])
+        else:
+            size += len(json.dumps(part))
+    return size
+
+
+def _messages(body: dict, limits: RequestLimits) -> list[dict[str, Any]]:
+    messages = body.get("messages")
+    if messages is None:
+        raise bad_request("'messages' is required", "messages")
+    if not isinstance(messages, list):
+        raise bad_request("'messages' must be a list", "messages")
+    if not messages:
+        raise bad_request("'messages' must not be empty", "messages")
+    if len(messages) > limits.max_messages:
+        raise bad_request(f"'messages' may hold at most {limits.max_messages} messages", "messages")
+    total = 0
+    for i, m in enumerate(messages):
+        param = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad_request("each message must be an object", param)
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise bad_request(f"'role' must be one of {', '.join(CHAT_ROLES)}", f"{param}.role")
+        name = m.get("name")
+        if name is not None and (not isinstance(name, str) or len(name) > limits.max_name_chars):
+            raise bad_request(f"'name' must be a string of at most {limits.max_name_chars} characters",
+                              f"{param}.name")
+        total += _content(m.get("content"), f"{param}.content", limits)
+        calls = m.get("tool_calls")
+        if calls is not None:
+            if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+                raise bad_request("'tool_calls' must be a list of objects", f"{param}.tool_calls")
+            total += len(json.dumps(calls))
+        if m.get("tool_call_id") is not None and not isinstance(m["tool_call_id"], str):
+            raise bad_request("'tool_call_id' must be a string", f"{param}.tool_call_id")
+        if total > limits.max_prompt_chars:
+            raise bad_request(f"'messages' hold more than {limits.max_prompt_chars} characters", "messages")
+    return messages
+
+
+def _tools(body: dict, limits: RequestLimits) -> list[dict[str, Any]] | None:
+    choice = body.get("tool_choice")
+    if choice not in (None, "none", "auto"):
+        raise bad_request("'tool_choice' other than 'none' or 'auto' is not supported", "tool_choice",
+                          "unsupported")
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise bad_request("'tools' must be a list", "tools")
+    if len(tools) > limits.max_tools:
+        raise bad_request(f"'tools' may hold at most {limits.max_tools} tools", "tools")
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad_request("each tool needs a 'function' object with a string 'name'",
+                              f"tools[{i}].function")
+    choice = body.get("tool_choice")
+    if choice not in (None, "none", "auto"):
+        raise bad_request("'tool_choice' other than 'none' or 'auto' is not supported", "tool_choice",
+                          "unsupported")
+    return tools
+
+
+def _response_format(body: dict) -> None:
+    fmt = body.get("response_format")
+    if fmt is None:
+        return
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+        raise bad_request("'response_format' must be an object with a string 'type'", "response_format")
+    if fmt["type"] != "text":
+        raise bad_request(f"'response_format' {fmt['type']!r} is not supported by this server",
+                          "response_format", "unsupported")
+
+
+def parse_chat_request(body: dict[str, Any], limits: RequestLimits = DEFAULT_LIMITS) -> ChatCompletionRequest:
+    """Validate a chat-completions body (already decoded by :func:`parse_json_body`).
+
+    ``max_completion_tokens`` wins over the deprecated ``max_tokens``; ``top_logprobs``
+    requires ``logprobs: true``.
+    """
+    messages = _messages(body, limits)
+    tools = _tools(body, limits)
+    _response_format(body)
+    max_tokens = _int(body, "max_completion_tokens", None, 1, limits.max_tokens)
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", None, 1, limits.max_tokens)
+    want_logprobs = _bool(body, "logprobs")
+    top = _int(body, "top_logprobs", None, 0, limits.max_logprobs)
+    if top is not None and not want_logprobs:
+        raise bad_request("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
+    c = _common(body, limits, max_tokens, (top or 0) if want_logprobs else None)
+    return ChatCompletionRequest(c.model, messages, c.sampling, tools, c.stream, c.include_usage,
+                                 c.user, c.session_id, c.cache_salt, c.lora_adapter, body)
+
+
+def parse_request(raw: bytes, chat: bool, limits: RequestLimits = DEFAULT_LIMITS
+                  ) -> CompletionRequest | ChatCompletionRequest:
+    """Decode and validate a raw body for ``/v1/chat/completions`` (``chat``) or ``/v1/completions``."""
+    body = parse_json_body(raw, limits)
+    return parse_chat_request(body, limits) if chat else parse_completion_request(body, limits)
