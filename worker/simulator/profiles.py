@@ -1,0 +1,100 @@
+"""GPU and model profiles for the simulated worker: the constants the latency model runs on.
+
+GPU peak numbers are NVIDIA's datasheet values for the SXM parts, dense bf16 (no 2:4
+sparsity); ``hbm_bytes`` is the total memory the driver reports (``nvidia-smi``), which is
+a little below the marketing size. Model shapes are the ones in each model's Hugging Face
+``config.json``. Sources and derivations are listed in docs/architecture.md ("Simulated worker").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class GPUProfile:
+    """One accelerator: peak dense bf16 compute, HBM bandwidth and size, default efficiencies.
+
+    ``compute_efficiency`` is the fraction of peak FLOP/s a prefill reaches (model FLOPs
+    utilisation); ``bandwidth_efficiency`` the fraction of peak bandwidth a decode step reaches.
+    """
+
+    name: str
+    peak_flops: float  # dense bf16 FLOP/s
+    hbm_bandwidth: float  # bytes/s
+    hbm_bytes: int
+    compute_efficiency: float = 0.6
+    bandwidth_efficiency: float = 0.75
+
+
+@dataclass(frozen=True, slots=True)
+class ModelProfile:
+    """One model's shape: what sets its FLOPs per token, its weight bytes and its KV bytes."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    num_params: float
+    bytes_per_param: int = 2  # bf16 weights
+    kv_bytes_per_elem: int = 2  # bf16 KV cache
+    max_model_len: int = 131072
+
+    @property
+    def weight_bytes(self) -> float:
+        """Bytes of all weights (one copy, before tensor parallelism)."""
+        return self.num_params * self.bytes_per_param
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token over all layers: ``2 · layers · kv_heads · head_dim · bytes``."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_bytes_per_elem
+
+    @property
+    def matmul_params(self) -> float:
+        """Weights multiplied per token: all but the input embedding (a lookup, not a matmul)."""
+        return self.num_params - self.vocab_size * self.hidden_size
+
+
+GPUS: dict[str, GPUProfile] = {
+    # A100 SXM4 80GB datasheet: 312 TFLOP/s bf16 dense, 2,039 GB/s HBM2e; nvidia-smi 81920 MiB.
+    "A100-80G": GPUProfile("A100-80G", 312e12, 2.039e12, 81920 * MIB),
+    # H100 SXM5 80GB datasheet: 989 TFLOP/s bf16 dense (1,979 with sparsity), 3.35 TB/s HBM3;
+    # nvidia-smi 81559 MiB.
+    "H100-80G": GPUProfile("H100-80G", 989e12, 3.35e12, 81559 * MIB),
+    # H200 SXM 141GB: same compute as H100, 4.8 TB/s HBM3e; nvidia-smi 143771 MiB.
+    "H200": GPUProfile("H200", 989e12, 4.8e12, 143771 * MIB),
+}
+
+MODELS: dict[str, ModelProfile] = {
+    # meta-llama/Llama-3.1-8B config.json (Llama 3 shapes, 128K context).
+    "llama-3-8b": ModelProfile("llama-3-8b", num_layers=32, hidden_size=4096, num_heads=32,
+                               num_kv_heads=8, head_dim=128, vocab_size=128256, num_params=8.03e9),
+    # meta-llama/Llama-3.1-70B config.json.
+    "llama-3-70b": ModelProfile("llama-3-70b", num_layers=80, hidden_size=8192, num_heads=64,
+                                num_kv_heads=8, head_dim=128, vocab_size=128256, num_params=70.6e9),
+}
+
+
+class ProfileError(ValueError):
+    """An unknown profile name, or a model that does not fit on the chosen GPUs."""
+
+
+def get_gpu(name: str) -> GPUProfile:
+    """The GPU profile called ``name`` (case-insensitive)."""
+    for key, gpu in GPUS.items():
+        if key.lower() == name.lower():
+            return gpu
+    raise ProfileError(f"unknown GPU profile {name!r}; known: {', '.join(GPUS)}")
+
+
+def get_model(name: str) -> ModelProfile:
+    """The model profile called ``name`` (case-insensitive)."""
+    for key, model in MODELS.items():
+        if key.lower() == name.lower():
+            return model
+    raise ProfileError(f"unknown model profile {name!r}; known: {', '.join(MODELS)}")
