@@ -1,0 +1,115 @@
+"""``prefixlb bench``: drive a workload against an endpoint; ``bench compare``; ``bench report``.
+
+    prefixlb bench --target URL --workload W [--speedup S] [--time-scale X]
+                   [--rate R | --concurrency N] [--duration D] [--out DIR]
+    prefixlb bench compare RUN_DIR... [--out DIR]
+    prefixlb bench report [--out DIR] [--quick]      (the routing report of docs/benchmarks.md)
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from protocol.settings import SettingsError, build_parser, load_settings, setting
+
+log = logging.getLogger("prefixlb.bench")
+
+
+@dataclass(slots=True)
+class BenchConfig:
+    """Settings of one load-generator run (flags, ``PREFIXLB_BENCH_*`` env, or YAML)."""
+
+    target: str = setting("http://127.0.0.1:8000", "base URL of the OpenAI-compatible endpoint")
+    workload: str = setting("system-prompt", "system-prompt | doc-qa | multi-turn | mooncake:FILE | azure:FILE")
+    workload_opt: list[str] = setting(list, "workload option key=value (repeatable)", flag="--workload-opt")
+    seed: int = setting(0, "seed: the workload is deterministic given it")
+    num_requests: int | None = setting(None, "number of requests (default: the workload's own)", minimum=1)
+    model: str = setting("sim", "model name sent in each request")
+    speedup: float = setting(1.0, "divide the workload's arrival times by this", minimum=1e-6)
+    time_scale: float = setting(1.0, "the simulated workers run this many times faster; times are scaled back",
+                                minimum=1e-6)
+    rate: float | None = setting(None, "replace arrivals by a Poisson process of this many req/s", minimum=1e-9)
+    concurrency: int | None = setting(None, "closed loop: keep this many requests in flight", minimum=1)
+    duration: float | None = setting(None, "stop sending after this many seconds (workload time)", minimum=0.0)
+    out: str = setting("runs/bench", "output directory")
+    label: str | None = setting(None, "name of this run in reports (default: the directory name)")
+    fleet: list[str] = setting(list, "worker id of the fleet (repeatable): idle workers count in imbalance")
+    session_header: str = setting("x-session-id", "header that carries a request's session")
+    request_timeout: float = setting(600.0, "per-request timeout in seconds (wall clock)", minimum=0.1)
+    progress: bool = setting(True, "show a progress bar")
+
+
+def _retime(workload, rate: float, seed: int):
+    from bench.workloads.base import RequestSpec, poisson_arrivals
+
+    times = poisson_arrivals(len(workload.requests), rate, seed + 7)
+    workload.requests = [RequestSpec(r.index, t, r.segments, r.max_tokens, r.session)
+                         for r, t in zip(workload.requests, times)]
+    return workload
+
+
+def run_bench(cfg: BenchConfig) -> dict:
+    """Run one load-generator pass and write its run directory; returns the summary."""
+    from bench.loadgen import LoadConfig, run_load
+    from bench.report import write_run
+    from bench.workloads import TextSource, load_workload
+
+    workload = load_workload(cfg.workload, cfg.seed, cfg.num_requests, cfg.workload_opt)
+    if cfg.rate is not None:
+        workload = _retime(workload, cfg.rate, cfg.seed)
+    load = LoadConfig(target=cfg.target, model=cfg.model, time_scale=cfg.time_scale, speedup=cfg.speedup,
+                      concurrency=cfg.concurrency, duration_s=cfg.duration,
+                      request_timeout_s=cfg.request_timeout, session_header=cfg.session_header,
+                      progress=cfg.progress, seed=cfg.seed)
+    started = time.time()
+    records = asyncio.run(run_load(workload, load, TextSource(cfg.seed)))
+    meta = {"label": cfg.label or Path(cfg.out).name, "kind": "http", "config": dataclasses.asdict(cfg),
+            "workload": workload.name, "workload_params": workload.params,
+            "wall_s": round(time.time() - started, 3)}
+    return write_run(cfg.out, records, meta, cfg.fleet)
+
+
+def _compare(argv: list[str]) -> int:
+    from bench.report import compare
+
+    parser = argparse.ArgumentParser(prog="prefixlb bench compare", description="runs side by side")
+    parser.add_argument("runs", nargs="+", help="run directories (each with summary.json)")
+    parser.add_argument("--out", default=None, help="write compare.md and plots here")
+    args = parser.parse_args(argv)
+    missing = [r for r in args.runs if not (Path(r) / "summary.json").exists()]
+    if missing:
+        print(f"prefixlb bench compare: no summary.json in {', '.join(missing)}", file=sys.stderr)
+        return 2
+    print(compare(args.runs, args.out))
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``prefixlb bench``."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if argv and argv[0] == "compare":
+        return _compare(argv[1:])
+    if argv and argv[0] == "report":
+        from bench.routing_report import main as report_main
+
+        return report_main(argv[1:])
+    parser = build_parser(BenchConfig, env_prefix="PREFIXLB_BENCH_", prog="prefixlb bench",
+                          description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    try:
+        cfg = load_settings(BenchConfig, parser.parse_args(argv), env_prefix="PREFIXLB_BENCH_")
+        if cfg.rate is not None and cfg.concurrency is not None:
+            raise SettingsError("--rate and --concurrency exclude each other")
+        summary = run_bench(cfg)
+    except (SettingsError, ValueError, OSError) as exc:
+        print(f"prefixlb bench: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps({k: summary[k] for k in ("requests", "errors", "hit_rate", "ttft_ms", "imbalance")}, indent=1))
+    print(f"results in {cfg.out}")
+    return 0

@@ -1,0 +1,124 @@
+"""Workloads: deterministic given the seed, sharing prefixes exactly as their shapes promise."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.workloads import TextSource, WorkloadError, load_workload, unit_hashes
+
+MOONCAKE = "/work/shared/traces/mooncake_synthetic_trace.jsonl"
+
+
+@pytest.mark.parametrize("name", ["system-prompt", "doc-qa", "multi-turn"])
+def test_generated_workloads_are_deterministic_given_the_seed(name):
+    a = load_workload(name, seed=3, num_requests=200)
+    b = load_workload(name, seed=3, num_requests=200)
+    c = load_workload(name, seed=4, num_requests=200)
+    assert a.requests == b.requests
+    assert a.requests != c.requests
+    assert len(a) == 200
+    assert [r.arrival_s for r in a] == sorted(r.arrival_s for r in a)
+
+
+def test_system_prompt_requests_share_their_tenants_system_prompt_and_nothing_more():
+    w = load_workload("system-prompt", seed=1, num_requests=300,
+                      options=["tenants=5", "system_tokens=1024", "question_tokens=50-60"])
+    text = TextSource(1)
+    tenants = {r.segments[0][0] for r in w}
+    assert len(tenants) == 5
+    same = [r for r in w if r.segments[0] == w.requests[0].segments[0]]
+    pa, pb = text.prompt(same[0]), text.prompt(same[1])
+    assert len(pa) == same[0].prompt_tokens and 1074 <= len(pa) <= 1084
+    common = next(i for i, (x, y) in enumerate(zip(pa, pb)) if x != y)
+    assert 1024 <= common < 1030  # the system prompt, plus at most a chance match of a few characters
+    # Zipf: the most popular tenant gets more requests than the least popular one.
+    counts = sorted((sum(1 for r in w if r.segments[0][0] == t) for t in tenants), reverse=True)
+    assert counts[0] > 2 * counts[-1]
+
+
+def test_doc_qa_interleaves_documents_and_asks_each_the_given_number_of_questions():
+    w = load_workload("doc-qa", seed=0, num_requests=40, options={"documents": "4", "questions": "10"})
+    docs = [r.segments[0][0] for r in w]
+    assert len(set(docs)) == 4 and all(docs.count(d) == 10 for d in set(docs))
+    assert len(set(docs[:4])) == 4  # the first round visits every document once
+
+
+def test_multi_turn_history_grows_and_each_turn_extends_the_previous_one():
+    w = load_workload("multi-turn", seed=2, num_requests=300)
+    by_session: dict[str, list] = {}
+    for r in w:
+        by_session.setdefault(r.session, []).append(r)
+    turns = max(by_session.values(), key=len)
+    assert len(turns) >= 4
+    for prev, nxt in zip(turns, turns[1:]):
+        assert nxt.segments[:len(prev.segments)] == prev.segments
+        assert len(nxt.segments) == len(prev.segments) + 2  # the answer, then the next question
+        assert nxt.segments[len(prev.segments)][1] == prev.max_tokens
+        assert nxt.arrival_s > prev.arrival_s
+
+
+def test_mooncake_blocks_become_512_token_segments_with_the_exact_input_length():
+    w = load_workload(f"mooncake:{MOONCAKE}", num_requests=50)
+    with open(MOONCAKE) as fh:
+        rows = [json.loads(next(fh)) for _ in range(50)]
+    first = rows[0]
+    r = w.requests[0]
+    assert r.prompt_tokens == first["input_length"] == 40160
+    assert [cid for cid, _ in r.segments] == first["hash_ids"]
+    assert r.segments[-1][1] == 40160 - 512 * 78
+    assert r.max_tokens == first["output_length"]
+    assert r.arrival_s == 0.0
+    # Same hash id, same text: the prompts of requests sharing ids share a byte-identical prefix.
+    text = TextSource(0)
+    assert text.text(46, 512)[:100] == text.text(46, 100)
+    assert len(text.prompt(r)) == 40160
+
+
+def test_mooncake_hit_rate_with_one_infinite_cache_matches_the_trace_readme():
+    w = load_workload(f"mooncake:{MOONCAKE}")
+    seen_ids: set[int] = set()
+    seen_blocks: set[int] = set()
+    id_hits = ids = block_hits = blocks = 0
+    for r in w:
+        chain = [cid for cid, _ in r.segments]
+        ids += len(chain)
+        id_hits += next((i for i, c in enumerate(chain) if c not in seen_ids), len(chain))
+        seen_ids.update(chain)
+        hashes = unit_hashes(r.segments, 512)
+        blocks += len(hashes)
+        block_hits += next((i for i, h in enumerate(hashes) if h not in seen_blocks), len(hashes))
+        seen_blocks.update(hashes)
+    assert round(id_hits / ids, 3) == 0.640  # the README's figure, counted in hash ids
+    # Counted over full 512-token blocks only (a partial last block is never cached, and it is
+    # usually a request's own tail), the same hits make a larger share.
+    assert (block_hits, blocks) == (77740, 117888)
+
+
+def test_azure_replay_has_arrivals_and_lengths_but_no_sharing():
+    w = load_workload("azure:/work/shared/traces/AzureLLMInferenceTrace_code.csv", num_requests=100)
+    assert w.requests[0].prompt_tokens == 4808 and w.requests[0].max_tokens == 10
+    assert w.requests[1].arrival_s == pytest.approx(0.052, abs=1e-6)
+    assert len({r.segments[0][0] for r in w}) == 100
+
+
+def test_unit_hashes_name_exactly_the_shared_full_blocks():
+    a = ((1, 100), (2, 50))
+    b = ((1, 100), (3, 50))
+    c = ((1, 60), (4, 90))
+    ha, hb, hc = (unit_hashes(x, 64) for x in (a, b, c))
+    assert len(ha) == 2  # 150 tokens: two full 64-token blocks, the partial third has no hash
+    assert ha[0] == hb[0]
+    assert ha[1] != hb[1]  # tokens 100..127 differ
+    assert hc[0] != ha[0]  # block 0 of c holds 60 tokens of id 1 then 4 of id 4
+
+
+def test_bad_workload_names_and_options_are_clear_errors():
+    with pytest.raises(WorkloadError, match="unknown workload"):
+        load_workload("nope")
+    with pytest.raises(WorkloadError, match="unknown workload option"):
+        load_workload("doc-qa", options=["colour=red"])
+    with pytest.raises(WorkloadError, match="needs a file"):
+        load_workload("mooncake")
+    with pytest.raises(WorkloadError, match="cannot read"):
+        load_workload("mooncake:/nonexistent.jsonl")
