@@ -63,6 +63,8 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    *,
+    max_context_len: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its whole paged context.
 
@@ -70,12 +72,14 @@ def paged_decode_attention(
     `context_lens`: `[num_seqs]` int32, tokens including the current one (already written).
     Query head `h` reads KV head `h // (num_heads // num_kv_heads)`. Returns
     `[num_seqs, num_heads, head_dim]` in `q.dtype`. All sequences are computed in one batched
-    op, padded to the longest context.
+    op, padded to the longest context (`max_context_len` if given, else `context_lens.max()`).
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    max_len = int(context_lens.max()) if num_seqs else 0
+    max_len = max_context_len
+    if max_len is None:
+        max_len = int(context_lens.max()) if num_seqs else 0
     if max_len == 0:
         return torch.zeros_like(q)
     keys = gather_kv(k_cache, block_tables, max_len).float()  # [S, T, Hkv, D]
@@ -98,6 +102,8 @@ def prefix_extend_attention(
     query_start_loc: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    *,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's new tokens over its cached prefix and, causally, themselves.
 
@@ -107,7 +113,10 @@ def prefix_extend_attention(
     tokens' KV is already in the cache. Returns `[total_new_tokens, num_heads, head_dim]` in
     `q.dtype`. Sequences are computed one at a time (their query lengths differ widely, so
     padding them into one batch would waste memory); within a sequence everything is batched.
+    `max_query_len` is accepted for parity with the Triton kernel's signature (where it saves a
+    device-to-host read); the per-sequence loop here does not need it.
     """
+    del max_query_len
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
