@@ -6,15 +6,11 @@ different path from the references' block gather), plus exact small cases.
 """
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kernels import attention_ref
-from kernels.backend import AttentionBackendError, get_attention_backend
 
 # fp32 references compute in fp32: only summation order differs from SDPA.
 FP32_ATOL = 2e-5
@@ -143,23 +139,3 @@ def test_decode_in_half_precision_returns_the_query_dtype_close_to_fp32(dtype, a
 
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), full, rtol=0, atol=atol)
-
-
-def test_auto_backend_on_cpu_is_the_torch_reference():
-    backend = get_attention_backend("auto", "cpu")
-    assert backend.name == "torch"
-    assert backend.decode is attention_ref.paged_decode_attention
-
-
-def test_unknown_backend_name_is_refused_with_the_valid_choices():
-    with pytest.raises(AttentionBackendError, match="auto, triton, torch"):
-        get_attention_backend("flash", "cpu")
-
-
-def test_importing_the_backend_selector_does_not_import_triton():
-    code = (
-        "import sys; import kernels.backend as b; b.get_attention_backend('auto', 'cpu'); "
-        "print('triton' in sys.modules)"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert result.stdout.strip() == "False"
