@@ -1,0 +1,280 @@
+"""LoadBoard: each worker's pending work in seconds = its last report + what we sent since.
+
+Pending prefill work is kept as a *virtual finish time* ``busy_until``: the moment the worker's
+known prefill backlog is done if it runs at its measured speed. It is set from a load report
+(``report time + queued tokens / rate``), pushed forward when this router dispatches a request
+there, and pulled back when a request's first byte shows its prefill is done. Because the
+backlog at ``now`` is ``max(0, busy_until - now)``, ordering workers by ``busy_until`` orders
+them by pending work at *any* ``now`` -- so a heap on it answers "the k least loaded workers"
+in O(k log n) without re-keying as time passes (the fleet simulator asks this for 1,000
+workers a million times).
+
+Decode pressure: with continuous batching a prefill shares each step with the running decodes,
+so a step that prefills ``B = max_num_batched_tokens`` tokens also pays ``decode_step_s``. The
+effective prefill rate is therefore ``1 / (1/prefill_tokens_per_s + decode_step_s / B)`` while
+anything is running, and the plain measured rate on an idle worker.
+
+Waiting for a slot: a worker runs at most ``max_num_seqs`` requests at once, so a request that
+arrives when its batch is full waits for running ones to finish -- about ``service_s /
+max_num_seqs`` per request ahead of it, with ``service_s`` the worker's mean time from dispatch
+to finish (an EMA over what this router saw). This is what makes a hot, fully cached
+prefix spill: its requests add almost no prefill, but they fill the batch.
+
+The hard limit (a safety net, design.md section 4): a worker with ``max_inflight`` requests in
+its system (running + waiting, by its report, plus what we sent since) takes no new work.
+
+No I/O and no clock: every method takes ``now``.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from dataclasses import dataclass, field
+
+from protocol import LoadReport
+
+
+@dataclass(slots=True)
+class SpeedProfile:
+    """A worker's speed before it has measured (and fallbacks for zeros in reports)."""
+
+    prefill_tokens_per_s: float = 4000.0
+    decode_step_s: float = 0.02
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    block_size: int = 16
+    service_s: float = 2.0  # mean dispatch -> finish time until measured
+
+
+@dataclass(slots=True, eq=False)
+class Ticket:
+    """One dispatched request, from dispatch until it finishes."""
+
+    worker_id: str
+    sent_at: float
+    prefill_tokens: int
+    work_s: float = 0.0  # its prefill time as estimated at dispatch
+    eta: float = 0.0  # when its prefill was estimated to be done
+    prefilled: bool = False
+    finished: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class WorkerLoad:
+    """What the board knows about one worker."""
+
+    worker_id: str
+    prefill_tokens_per_s: float
+    decode_step_s: float
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    block_size: int
+    max_inflight: int
+    service_s: float
+    report_at: float = -math.inf
+    reported_in_system: int = 0
+    reported_running: int = 0
+    busy_until: float = 0.0
+    sent_since_report: int = 0
+    finished_since_report: int = 0
+    tickets: set[Ticket] = field(default_factory=set)
+    in_system: int = 0
+    heap_version: int = 0
+    routable: bool = True
+
+    def rate(self) -> float:
+        """Effective prefill tokens per second, decode pressure included."""
+        base = 1.0 / self.prefill_tokens_per_s
+        if self.in_system > 0 or self.reported_running > 0:
+            base += self.decode_step_s / max(1, self.max_num_batched_tokens)
+        return 1.0 / base
+
+    def pending_s(self, now: float) -> float:
+        """Seconds before a new request's prefill can start: prefill backlog + slot wait."""
+        backlog = self.busy_until - now
+        ahead = self.in_system + 1 - self.max_num_seqs
+        wait = ahead * self.service_s / self.max_num_seqs if ahead > 0 else 0.0
+        return (backlog if backlog > 0.0 else 0.0) + wait
+
+    def over_limit(self) -> bool:
+        """True when the worker is at its hard in-flight limit."""
+        return self.in_system >= self.max_inflight
+
+
+class LoadBoard:
+    """Per-worker load estimates and a least-loaded heap. No I/O."""
+
+    def __init__(self, profile: SpeedProfile | None = None, max_inflight: int = 0,
+                 max_report_age_s: float = 30.0, service_alpha: float = 0.2) -> None:
+        self.profile = profile or SpeedProfile()
+        self.service_alpha = service_alpha
+        self.max_inflight = max_inflight
+        self.max_report_age_s = max_report_age_s
+        self._workers: dict[str, WorkerLoad] = {}
+        self._heap: list[tuple[float, int, str]] = []
+        self._counter = itertools.count()
+        self.total_in_system = 0
+
+    # -- membership ---------------------------------------------------------------------------
+    def add_worker(self, worker_id: str, block_size: int | None = None,
+                   max_num_seqs: int | None = None) -> WorkerLoad:
+        """Track ``worker_id`` (idempotent); returns its load record."""
+        w = self._workers.get(worker_id)
+        if w is not None:
+            return w
+        p = self.profile
+        seqs = max_num_seqs or p.max_num_seqs
+        w = WorkerLoad(worker_id, p.prefill_tokens_per_s, p.decode_step_s, p.max_num_batched_tokens,
+                       seqs, block_size or p.block_size, self._limit(seqs), p.service_s)
+        self._workers[worker_id] = w
+        self._push(w)
+        return w
+
+    def remove_worker(self, worker_id: str) -> None:
+        """Stop tracking ``worker_id``; its tickets are dropped."""
+        w = self._workers.pop(worker_id, None)
+        if w is not None:
+            self.total_in_system -= w.in_system
+            w.heap_version = -1
+
+    def set_routable(self, worker_id: str, routable: bool) -> None:
+        """Keep tracking load, but (un)list the worker for :meth:`least_loaded`."""
+        w = self._workers.get(worker_id)
+        if w is not None and w.routable != routable:
+            w.routable = routable
+            self._push(w)
+
+    def get(self, worker_id: str) -> WorkerLoad | None:
+        """The worker's load record, if tracked."""
+        return self._workers.get(worker_id)
+
+    def __contains__(self, worker_id: object) -> bool:
+        return worker_id in self._workers
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def worker_ids(self) -> list[str]:
+        """Every tracked worker id."""
+        return list(self._workers)
+
+    # -- reads -------------------------------------------------------------------------------
+    def pending_s(self, worker_id: str, now: float) -> float:
+        """Seconds of work ahead of a new request on ``worker_id`` (see the module docstring)."""
+        return self._workers[worker_id].pending_s(now)
+
+    def least_loaded(self, k: int, now: float, skip: frozenset[str] | set[str] = frozenset()) -> list[str]:
+        """Up to ``k`` routable workers under their hard limit with the least pending work."""
+        out: list[str] = []
+        popped: list[tuple[float, int, str]] = []
+        heap = self._heap
+        workers = self._workers
+        while heap and len(out) < k:
+            item = heapq.heappop(heap)
+            w = workers.get(item[2])
+            if w is None or w.heap_version != item[1] or not w.routable:
+                continue  # stale entry: dropped for good
+            popped.append(item)
+            if item[2] not in skip and not w.over_limit():
+                out.append(item[2])
+        for item in popped:
+            heapq.heappush(heap, item)
+        return out
+
+    # -- writes ------------------------------------------------------------------------------
+    def apply_report(self, report: LoadReport, now: float) -> bool:
+        """Take a worker's load report; returns False if it is stale or for an unknown worker."""
+        w = self._workers.get(report.worker_id)
+        if w is None:
+            return False
+        at = min(now, max(report.ts, now - self.max_report_age_s))
+        if at < w.report_at:
+            return False
+        p = self.profile
+        w.prefill_tokens_per_s = report.prefill_tokens_per_s or w.prefill_tokens_per_s or p.prefill_tokens_per_s
+        w.decode_step_s = report.decode_step_s or w.decode_step_s
+        w.max_num_batched_tokens = report.max_num_batched_tokens or w.max_num_batched_tokens
+        if report.max_num_seqs:
+            w.max_num_seqs = report.max_num_seqs
+            w.max_inflight = self._limit(report.max_num_seqs)
+        w.block_size = report.block_size or w.block_size
+        w.report_at = at
+        w.reported_in_system = report.running + report.waiting
+        w.reported_running = report.running
+        unreported_tokens = 0
+        sent_since = 0
+        for t in w.tickets:
+            if t.sent_at > at:
+                sent_since += 1
+                if not t.prefilled:
+                    unreported_tokens += t.prefill_tokens
+        w.sent_since_report = sent_since
+        w.finished_since_report = 0
+        self._recount(w)
+        w.busy_until = at + (report.queued_prefill_tokens + unreported_tokens) / w.rate()
+        self._push(w)
+        return True
+
+    def dispatch(self, worker_id: str, prefill_tokens: int, now: float) -> Ticket:
+        """A request was sent to ``worker_id`` with ``prefill_tokens`` to compute."""
+        w = self._workers[worker_id]
+        t = Ticket(worker_id, now, prefill_tokens)
+        w.tickets.add(t)
+        w.sent_since_report += 1
+        self._recount(w)
+        t.work_s = prefill_tokens / w.rate()
+        w.busy_until = t.eta = max(w.busy_until, now) + t.work_s
+        self._push(w)
+        return t
+
+    def prefilled(self, ticket: Ticket, now: float) -> None:
+        """The request's first byte arrived: its prefill is no longer pending work.
+
+        Only the part of its work the estimate still had ahead of ``now`` is taken off: the
+        time already elapsed was spent on it (or on work queued before it).
+        """
+        if ticket.prefilled or ticket.finished:
+            return
+        ticket.prefilled = True
+        w = self._workers.get(ticket.worker_id)
+        if w is not None:
+            remaining = max(0.0, min(ticket.work_s, ticket.eta - now))
+            w.busy_until = max(now, w.busy_until - remaining)
+            self._push(w)
+
+    def finish(self, ticket: Ticket, now: float) -> None:
+        """The request ended (completed, failed or cancelled)."""
+        if ticket.finished:
+            return
+        self.prefilled(ticket, now)
+        ticket.finished = True
+        w = self._workers.get(ticket.worker_id)
+        if w is not None:
+            w.service_s += self.service_alpha * (max(0.0, now - ticket.sent_at) - w.service_s)
+        if w is not None and ticket in w.tickets:
+            w.tickets.discard(ticket)
+            w.finished_since_report += 1
+            self._recount(w)
+
+    # -- internals ---------------------------------------------------------------------------
+    def _limit(self, max_num_seqs: int) -> int:
+        return self.max_inflight if self.max_inflight > 0 else 2 * max(1, max_num_seqs)
+
+    def _recount(self, w: WorkerLoad) -> None:
+        estimate = w.reported_in_system + w.sent_since_report - w.finished_since_report
+        value = max(len(w.tickets), estimate)
+        self.total_in_system += value - w.in_system
+        w.in_system = value
+
+    def _push(self, w: WorkerLoad) -> None:
+        w.heap_version = next(self._counter)
+        heapq.heappush(self._heap, (w.busy_until, w.heap_version, w.worker_id))
+        if len(self._heap) > 4 * len(self._workers) + 64:
+            self._compact()
+
+    def _compact(self) -> None:
+        workers = self._workers
+        self._heap = [item for item in self._heap
+                      if (w := workers.get(item[2])) is not None and w.heap_version == item[1]]
+        heapq.heapify(self._heap)

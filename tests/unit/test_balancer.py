@@ -1,0 +1,225 @@
+"""Balancer: index + ring + loads + policy together, driven in virtual time (no I/O)."""
+from __future__ import annotations
+
+import pytest
+
+from protocol import KVEvent, LoadReport
+from router.balancer import Balancer
+from router.load import LoadBoard, SpeedProfile
+from router.policy import NoCapacity, PolicyConfig
+from router.prompt import PromptKey, prompt_key
+
+WORKERS = ["w1", "w2", "w3", "w4"]
+DOC = "".join(f"Clause {i}: the tenant shall keep the premises in good repair. " for i in range(40))
+
+
+def make(policy: str = "cache_aware", affinity: float = 0.8, **kwargs) -> Balancer:
+    board = LoadBoard(SpeedProfile(prefill_tokens_per_s=1000.0, decode_step_s=0.0, block_size=16))
+    b = Balancer(PolicyConfig(policy=policy, affinity=affinity), chunk_size=128, board=board,
+                 tokens_per_byte=1.0, **kwargs)
+    for w in WORKERS:
+        b.add_worker(w, block_size=16)
+    return b
+
+
+def key(text: str, session: str | None = None) -> PromptKey:
+    return prompt_key({"model": "tiny", "prompt": text}, chat=False, chunk_size=128, ring_key_chunks=8,
+                      session_key=session)
+
+
+def test_a_new_prefix_goes_to_its_ring_owner_and_two_routers_agree():
+    r1, r2 = make(), make()
+    for i in range(40):
+        p = key(f"request {i}: " + DOC)
+        d1, d2 = r1.decide(p, now=0.0), r2.decide(p, now=0.0)
+        assert (d1.worker_id, d1.reason) == (r1.ring.owner(p.ring_key), "ring")
+        assert d2.worker_id == d1.worker_id
+
+
+def test_a_session_without_a_match_goes_to_the_sessions_ring_position():
+    b = make()
+    p1, p2 = key("hello", session="user-42"), key("something else entirely", session="user-42")
+    d1, d2 = b.decide(p1, now=0.0), b.decide(p2, now=0.0)
+    assert d1.reason == d2.reason == "session"
+    assert d1.worker_id == d2.worker_id == b.ring.owner(p1.ring_key)
+
+
+def test_a_request_sharing_a_dispatched_prefix_follows_it_with_an_exact_prediction():
+    b = make()
+    first = key(DOC[:2000])                      # 15 full chunks
+    d1 = b.decide(first, now=0.0)
+    b.dispatch(d1, first, now=0.0)
+    second = key(DOC[:1500] + " and a different question")  # shares 11 chunks = 1,408 bytes
+    d2 = b.decide(second, now=0.1)
+    assert (d2.worker_id, d2.reason, d2.predicted_cached_tokens) == (d1.worker_id, "prefix", 1408)
+
+
+def test_a_hot_prefix_spills_to_the_next_workers_on_its_ring_as_its_owner_queues_up():
+    # Affinity 0.5 (cost = predicted TTFT). A 2,000-byte document is cached on its owner (its
+    # prefill done); each question adds ~1.1 s of uncached prefill there (1,093 tokens over the
+    # cached 1,920), against a 3.15 s cold prefill anywhere else.
+    b = make(affinity=0.5)
+    doc = key(DOC[:2000])
+    ring = b.ring.successors(doc.ring_key, 4)
+    b.first_byte(b.dispatch(b.decide(doc, now=0.0), doc, now=0.0), now=0.0)
+    placed = []
+    for i in range(6):
+        p = key(DOC[:2000] + f" question {i}: " + "why? " * 200)
+        d = b.decide(p, now=0.0)
+        b.dispatch(d, p, now=0.0)  # nothing finishes: queues only grow
+        placed.append((d.worker_id, d.reason))
+    assert placed == [(ring[0], "prefix"), (ring[0], "prefix"),   # 1.18 s, then 2.27 s < 3.15 s
+                      (ring[1], "spill"), (ring[2], "spill"), (ring[3], "spill"),  # in ring order
+                      (ring[0], "prefix")]
+    assert b.index.match(doc.hashes, now=0.0)[ring[1]] == 15  # a second home for the document
+
+
+def test_a_fully_cached_hot_prefix_spills_once_the_wait_for_a_batch_slot_outgrows_its_saving():
+    board = LoadBoard(SpeedProfile(prefill_tokens_per_s=1000.0, decode_step_s=0.0, max_num_seqs=4,
+                                   service_s=20.0), max_inflight=100)
+    b = Balancer(PolicyConfig(affinity=0.8), chunk_size=128, board=board, tokens_per_byte=1.0)
+    for w in WORKERS:
+        b.add_worker(w, block_size=16)
+    p = key(DOC)
+    owner, second = b.ring.successors(p.ring_key, 2)
+    placed = []
+    for _ in range(13):
+        d = b.decide(p, now=0.0)
+        b.first_byte(b.dispatch(d, p, now=0.0), now=0.0)  # prefill done, decoding goes on
+        placed.append(d.worker_id)
+    # Requests add almost no prefill (2,432 of 2,470 tokens cached) but each takes a batch slot
+    # (4 per worker, 20 s each): the n-th request waits (n - 3) x 5 s for one. The 16x-weighted
+    # saving (16 x 2.52 s = 40.4 s) covers 12 in line; the 13th goes to the ring's next worker.
+    assert placed[:12] == [owner] * 12
+    assert placed[12] == second
+
+
+def test_affinity_zero_per_request_spreads_a_hot_prefix_by_load():
+    b = make()
+    p = key(DOC)
+    for _ in range(3):
+        d = b.decide(p, now=0.0)
+        b.dispatch(d, p, now=0.0)
+    owner, second = b.ring.successors(p.ring_key, 2)
+    d = b.decide(p, now=0.0, affinity=0.0)
+    assert (d.worker_id, d.reason) == (second, "ring")  # idle workers tie: the ring breaks it
+
+
+def test_stored_events_make_predictions_and_removed_or_cleared_ones_withdraw_them():
+    b = make()
+    p = key(DOC[:2000])
+    elsewhere = next(w for w in WORKERS if w != b.ring.owner(p.ring_key))
+    b.apply_kv_event(KVEvent(elsewhere, "stored", p.hashes[:10], chunk_size=128, seq=0), now=0.0)
+    d = b.decide(p, now=1.0)
+    assert (d.worker_id, d.reason, d.predicted_cached_tokens) == (elsewhere, "prefix", 1280)
+    b.apply_kv_event(KVEvent(elsewhere, "removed", p.hashes[4:10], chunk_size=128, seq=1), now=2.0)
+    assert b.decide(p, now=3.0).predicted_cached_tokens == 512
+    b.apply_kv_event(KVEvent(elsewhere, "cleared", [], chunk_size=128, seq=2), now=4.0)
+    d = b.decide(p, now=5.0)
+    assert (d.worker_id, d.reason, d.predicted_cached_tokens) == (b.ring.owner(p.ring_key), "ring", 0)
+
+
+def test_events_hashed_with_another_chunk_size_are_ignored_and_gaps_are_counted():
+    b = make()
+    p = key(DOC)
+    assert not b.apply_kv_event(KVEvent("w1", "stored", p.hashes, chunk_size=256), now=0.0)
+    assert b.events_ignored == 1
+    b.apply_kv_event(KVEvent("w1", "stored", [], chunk_size=128, seq=3), now=0.0)
+    b.apply_kv_event(KVEvent("w1", "stored", [], chunk_size=128, seq=7), now=0.0)
+    assert b.event_gaps == 1
+
+
+def test_feedback_below_the_prediction_demotes_the_unproven_entries():
+    b = make()
+    p = key(DOC[:2000])
+    worker = b.ring.owner(p.ring_key)
+    b.apply_kv_event(KVEvent(worker, "stored", p.hashes, chunk_size=128), now=0.0)
+    d = b.decide(p, now=1.0)
+    assert d.predicted_cached_tokens == 1920
+    booking = b.dispatch(d, p, now=1.0)
+    b.finish(booking, now=2.0, usage=(2000, 512))  # the worker only had 4 chunks' worth
+    # Beyond 512 tokens the entries now live only the optimistic TTL (30 s) unless re-stored.
+    assert b.decide(p, now=20.0).predicted_cached_tokens == 1920
+    assert b.decide(p, now=40.0).predicted_cached_tokens == 512
+
+
+def test_repeated_misses_clear_what_the_router_believes_about_a_worker():
+    b = make(feedback_clear_after=2)
+    p = key(DOC[:2000])
+    worker = b.ring.owner(p.ring_key)
+    b.apply_kv_event(KVEvent(worker, "stored", p.hashes, chunk_size=128), now=0.0)
+    for t in (1.0, 2.0):
+        booking = b.dispatch(b.decide(p, now=t), p, now=t)
+        b.finish(booking, now=t, usage=(2000, 0))
+    assert b.index.match(p.hashes, now=3.0) == {}
+
+
+def test_a_worker_without_kv_events_is_tracked_from_its_responses():
+    b = make()
+    p = key(DOC[:2000])
+    d = b.decide(p, now=0.0)
+    b.finish(b.dispatch(d, p, now=0.0), now=1.0, usage=(2000, 0))
+    d2 = b.decide(p, now=2.0)
+    b.finish(b.dispatch(d2, p, now=2.0), now=3.0, usage=(2000, 1984))
+    # Reported hits confirm entries (long TTL) for a worker that sends no events.
+    assert b.decide(p, now=600.0).predicted_cached_tokens == 1920
+
+
+def test_tokens_per_byte_is_learned_per_model_as_an_ema():
+    b = make()
+    assert b.tokens_per_byte("tiny") == 1.0
+    b.observe_prompt_tokens("tiny", num_bytes=1000, prompt_tokens=500)
+    assert b.tokens_per_byte("tiny") == 0.5  # the first observation is taken as is
+    b.observe_prompt_tokens("tiny", num_bytes=1000, prompt_tokens=1000)
+    assert b.tokens_per_byte("tiny") == pytest.approx(0.6)  # 0.5 + 0.2 * (1.0 - 0.5)
+    assert b.tokens_per_byte("other") == 1.0
+
+
+def test_predictions_round_down_to_the_block_and_stay_below_the_prompt():
+    b = make()
+    p = key(DOC[:2000])
+    b.observe_prompt_tokens("tiny", 1000, 250)  # 0.25 tokens per byte
+    assert b.cached_tokens_for(3, p, prompt_tokens=500, block_size=16) == 96  # 96 tokens exactly
+    assert b.cached_tokens_for(5, p, prompt_tokens=500, block_size=16) == 160  # 160 exactly
+    assert b.cached_tokens_for(7, p, prompt_tokens=200, block_size=16) == 192  # capped at 199 -> 192
+    assert b.cached_tokens_for(1, p, prompt_tokens=500, block_size=64) == 0  # 32 tokens < a block
+
+
+def test_reports_from_the_workers_steer_new_requests_away_from_a_busy_one():
+    b = make()
+    p = key("a brand new prompt " * 20)
+    owner = b.ring.owner(p.ring_key)
+    b.apply_report(LoadReport(owner, running=4, queued_prefill_tokens=50_000, ts=0.0), now=0.0)
+    d = b.decide(p, now=0.0)
+    assert d.worker_id != owner and d.reason in ("ring", "least_load")
+
+
+def test_consistent_hash_walks_the_ring_past_workers_over_the_load_bound():
+    b = make(policy="consistent_hash")
+    p = key(DOC)
+    order = b.ring.successors(p.ring_key, 4)
+    d = b.decide(p, now=0.0)
+    assert (d.worker_id, d.reason) == (order[0], "hash")
+    b.dispatch(d, p, now=0.0)
+    b.dispatch(d, p, now=0.0)  # owner: 2 in flight; bound = ceil(1.25 * 3 / 4) = 1
+    d = b.decide(p, now=0.0)
+    assert (d.worker_id, d.reason) == (order[1], "spill")
+
+
+def test_round_robin_rotates_through_the_workers_in_order():
+    b = make(policy="round_robin")
+    p = key(DOC)
+    assert [b.decide(p, now=0.0).worker_id for _ in range(5)] == ["w1", "w2", "w3", "w4", "w1"]
+
+
+def test_excluded_and_unroutable_workers_are_never_chosen():
+    b = make()
+    p = key(DOC)
+    owner = b.ring.owner(p.ring_key)
+    assert b.decide(p, now=0.0, exclude={owner}).worker_id != owner
+    b.set_routable(owner, False)
+    assert b.decide(p, now=0.0).worker_id != owner
+    for w in WORKERS:
+        b.set_routable(w, False)
+    with pytest.raises(NoCapacity):
+        b.decide(p, now=0.0)

@@ -1,0 +1,109 @@
+"""PrefixIndex: exact matches per worker, TTLs, KV-event semantics, LRU bound."""
+from __future__ import annotations
+
+from router.index import PrefixIndex
+
+CHAIN = [101, 102, 103, 104, 105, 106]  # chain hashes h_1..h_6 of one prompt
+
+
+def test_a_worker_matches_the_leading_hashes_it_holds():
+    index = PrefixIndex()
+    index.insert(CHAIN[:4], "A", now=0.0, confirmed=True)
+    index.insert(CHAIN[:2], "B", now=0.0, confirmed=True)
+    assert index.match(CHAIN, now=1.0) == {"A": 4, "B": 2}
+
+
+def test_a_prompt_whose_first_chunk_is_unknown_matches_nothing():
+    index = PrefixIndex()
+    index.insert(CHAIN[1:], "A", now=0.0, confirmed=True)
+    assert index.match(CHAIN, now=1.0) == {}
+    assert index.match([], now=1.0) == {}
+
+
+def test_the_walk_stops_at_the_first_hash_a_worker_lacks():
+    # A removed event for h_3 ends A's prefix there even though h_4.. are still recorded.
+    index = PrefixIndex()
+    index.insert(CHAIN, "A", now=0.0, confirmed=True)
+    index.insert(CHAIN, "B", now=0.0, confirmed=True)
+    index.remove([CHAIN[2]], "A")
+    assert index.match(CHAIN, now=1.0) == {"A": 2, "B": 6}
+
+
+def test_optimistic_entries_expire_unless_confirmed():
+    index = PrefixIndex(optimistic_ttl_s=10.0, confirmed_ttl_s=100.0)
+    index.insert(CHAIN, "A", now=0.0, confirmed=False)
+    index.insert(CHAIN[:3], "A", now=5.0, confirmed=True)
+    assert index.match(CHAIN, now=9.0) == {"A": 6}
+    assert index.match(CHAIN, now=11.0) == {"A": 3}
+    assert index.match(CHAIN, now=106.0) == {}
+
+
+def test_an_optimistic_insert_never_shortens_a_confirmed_entry():
+    index = PrefixIndex(optimistic_ttl_s=10.0, confirmed_ttl_s=100.0)
+    index.insert(CHAIN, "A", now=0.0, confirmed=True)
+    index.insert(CHAIN, "A", now=1.0, confirmed=False)
+    assert index.match(CHAIN, now=50.0) == {"A": 6}
+
+
+def test_demoted_entries_live_only_the_optimistic_ttl():
+    index = PrefixIndex(optimistic_ttl_s=10.0, confirmed_ttl_s=100.0)
+    index.insert(CHAIN, "A", now=0.0, confirmed=True)
+    index.demote(CHAIN[2:], "A", now=20.0)
+    assert index.match(CHAIN, now=29.0) == {"A": 6}
+    assert index.match(CHAIN, now=31.0) == {"A": 2}
+
+
+def test_clearing_a_worker_forgets_only_that_worker_and_it_can_be_refilled():
+    index = PrefixIndex()
+    index.insert(CHAIN, "A", now=0.0, confirmed=True)
+    index.insert(CHAIN[:3], "B", now=0.0, confirmed=True)
+    index.clear_worker("A")
+    assert index.match(CHAIN, now=1.0) == {"B": 3}
+    index.insert(CHAIN[:1], "A", now=2.0, confirmed=True)
+    assert index.match(CHAIN, now=3.0) == {"A": 1, "B": 3}
+
+
+def test_the_index_stays_bounded_under_a_flood_of_distinct_prompts_and_keeps_the_recent_ones():
+    index = PrefixIndex(max_entries=1000)
+    for i in range(500):  # 500 distinct prompts of 8 chunks: 4,000 hashes offered
+        chain = [i * 1000 + j for j in range(8)]
+        index.insert(chain, f"w{i % 4}", now=float(i), confirmed=False)
+    assert len(index) == 1000
+    assert index.stats.evicted_lru == 3000
+    newest = [499 * 1000 + j for j in range(8)]
+    oldest = [0 * 1000 + j for j in range(8)]
+    assert index.match(newest, now=500.0) == {"w3": 8}
+    assert index.match(oldest, now=500.0) == {}
+
+
+def test_a_matched_prefix_becomes_most_recently_used_and_survives_eviction():
+    index = PrefixIndex(max_entries=6)
+    index.insert([1, 2, 3], "A", now=0.0, confirmed=True)
+    index.insert([4, 5, 6], "B", now=0.0, confirmed=True)
+    assert index.match([1, 2, 3], now=1.0) == {"A": 3}
+    index.insert([7, 8, 9], "C", now=2.0, confirmed=True)  # evicts 4, 5, 6: the least recently used
+    assert index.match([1, 2, 3], now=3.0) == {"A": 3}
+    assert index.match([4, 5, 6], now=3.0) == {}
+
+
+def test_sweep_deletes_expired_and_cleared_entries():
+    index = PrefixIndex(optimistic_ttl_s=10.0)
+    index.insert([1, 2], "A", now=0.0, confirmed=False)
+    index.insert([3, 4], "B", now=0.0, confirmed=True)
+    index.insert([5], "C", now=0.0, confirmed=True)
+    index.clear_worker("C")
+    assert index.sweep(now=11.0) == 3
+    assert len(index) == 2
+    assert index.match([3, 4], now=11.0) == {"B": 2}
+
+
+def test_entries_round_trip_through_a_snapshot():
+    index = PrefixIndex()
+    index.insert(CHAIN[:3], "A", now=0.0, confirmed=True)
+    index.insert(CHAIN[:2], "B", now=0.0, confirmed=False)
+    items = list(index.entries(now=10.0))
+    fresh = PrefixIndex()
+    assert fresh.load_entries(items, now=1000.0) == 5
+    assert fresh.match(CHAIN, now=1000.0) == {"A": 3, "B": 2}
+    # The optimistic entries kept their remaining life (30 s - 10 s elapsed), not a new one.
+    assert fresh.match(CHAIN, now=1021.0) == {"A": 3}

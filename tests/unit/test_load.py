@@ -1,0 +1,107 @@
+"""LoadBoard: pending work = last report + what this router sent since, in seconds."""
+from __future__ import annotations
+
+import pytest
+
+from protocol import LoadReport
+from router.load import LoadBoard, SpeedProfile
+
+PROFILE = SpeedProfile(prefill_tokens_per_s=2000.0, decode_step_s=0.02, max_num_batched_tokens=2000,
+                       max_num_seqs=4, block_size=16)
+
+
+def board(*workers: str, max_inflight: int = 0) -> LoadBoard:
+    b = LoadBoard(PROFILE, max_inflight=max_inflight)
+    for w in workers:
+        b.add_worker(w)
+    return b
+
+
+def test_a_report_sets_pending_work_from_queued_tokens_and_measured_speed():
+    b = board("A")
+    assert b.apply_report(LoadReport("A", queued_prefill_tokens=4000, prefill_tokens_per_s=1000.0, ts=100.0), now=100.0)
+    assert b.pending_s("A", now=100.0) == pytest.approx(4.0)
+    assert b.pending_s("A", now=103.0) == pytest.approx(1.0)  # the queue drains as time passes
+    assert b.pending_s("A", now=105.0) == 0.0
+
+
+def test_running_decodes_slow_prefill_down_by_one_decode_step_per_batch():
+    b = board("A")
+    b.apply_report(LoadReport("A", running=2, queued_prefill_tokens=2000, ts=0.0), now=0.0)
+    # Each 2,000-token step also pays a 0.02 s decode step: 1 s of prefill becomes 1.02 s.
+    assert b.pending_s("A", now=0.0) == pytest.approx(1.02)
+
+
+def test_dispatched_work_adds_up_until_its_first_byte_arrives():
+    b = board("A")
+    t1 = b.dispatch("A", 2000, now=0.0)
+    t2 = b.dispatch("A", 1000, now=0.0)
+    # Two requests in the system: decode pressure applies (rate 1/(1/2000 + 0.02/2000)).
+    rate = 1 / (1 / 2000 + 0.02 / 2000)
+    assert b.pending_s("A", now=0.0) == pytest.approx(2000 / rate + 1000 / rate)
+    b.prefilled(t1, now=0.5)  # sooner than estimated: what is left is t2's prefill
+    assert b.pending_s("A", now=0.5) == pytest.approx(1000 / rate)
+    b.finish(t1, now=1.0)
+    b.finish(t2, now=1.0)
+    assert b.get("A").in_system == 0
+    assert b.pending_s("A", now=1.0) == 0.0
+
+
+def test_a_report_counts_only_requests_sent_after_it_as_unreported():
+    b = board("A")
+    b.dispatch("A", 2000, now=10.0)   # before the report: the worker already counts it
+    b.dispatch("A", 4000, now=12.0)   # after the report: not in it
+    b.apply_report(LoadReport("A", running=0, waiting=1, queued_prefill_tokens=2000,
+                              prefill_tokens_per_s=2000.0, ts=11.0), now=12.5)
+    rate = 1 / (1 / 2000 + 0.02 / 2000)  # requests in the system: decode pressure applies
+    assert b.pending_s("A", now=11.0) == pytest.approx((2000 + 4000) / rate)
+    assert b.get("A").in_system == 2  # waiting=1 reported + 1 sent since
+
+
+def test_stale_reports_and_unknown_workers_are_ignored():
+    b = board("A")
+    assert b.apply_report(LoadReport("A", queued_prefill_tokens=2000, ts=50.0), now=50.0)
+    assert not b.apply_report(LoadReport("A", queued_prefill_tokens=99999, ts=40.0), now=51.0)
+    assert not b.apply_report(LoadReport("Z", ts=50.0), now=51.0)
+    assert b.pending_s("A", now=50.0) == pytest.approx(1.0)
+
+
+def test_least_loaded_orders_by_pending_work_and_skips_workers_at_their_limit():
+    b = board("A", "B", "C", "D", max_inflight=2)
+    b.dispatch("A", 3000, now=0.0)
+    b.dispatch("B", 1000, now=0.0)
+    b.dispatch("C", 2000, now=0.0)
+    assert b.least_loaded(3, now=0.0) == ["D", "B", "C"]
+    b.dispatch("D", 10, now=0.0)
+    b.dispatch("D", 10, now=0.0)  # D reaches its limit of 2
+    assert b.get("D").over_limit()
+    assert b.least_loaded(3, now=0.0) == ["B", "C", "A"]
+    assert b.least_loaded(2, now=0.0, skip={"B"}) == ["C", "A"]
+
+
+def test_unroutable_workers_are_not_offered_but_keep_their_load():
+    b = board("A", "B")
+    b.dispatch("A", 1000, now=0.0)
+    b.set_routable("B", False)
+    assert b.least_loaded(2, now=0.0) == ["A"]
+    b.set_routable("B", True)
+    assert b.least_loaded(2, now=0.0) == ["B", "A"]
+
+
+def test_the_hard_limit_defaults_to_twice_the_reported_batch_size():
+    b = board("A")
+    assert b.get("A").max_inflight == 8  # profile max_num_seqs 4
+    b.apply_report(LoadReport("A", max_num_seqs=16, ts=0.0), now=0.0)
+    assert b.get("A").max_inflight == 32
+
+
+def test_total_in_system_follows_dispatches_finishes_and_removals():
+    b = board("A", "B")
+    t = b.dispatch("A", 10, now=0.0)
+    b.dispatch("B", 10, now=0.0)
+    b.dispatch("B", 10, now=0.0)
+    assert b.total_in_system == 3
+    b.finish(t, now=1.0)
+    assert b.total_in_system == 2
+    b.remove_worker("B")
+    assert b.total_in_system == 0
