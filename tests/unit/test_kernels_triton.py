@@ -1,4 +1,5 @@
 """The Triton kernels, run by Triton's CPU interpreter, against the torch references and SDPA.
+(With PREFIXLB_KERNELS_TEST_DEVICE=cuda, the same cases run compiled on a GPU.)
 
 Why a child process: the interpreter is chosen when a kernel is *defined* (`@triton.jit` reads
 `TRITON_INTERPRET`), so it must be on before `kernels.triton_*` is first imported, and setting it
@@ -14,7 +15,8 @@ Tolerances, per dtype (outputs are convex combinations of N(0, 1) values, |out| 
 - fp16: the kernel rounds the softmax weights to fp16 before the PV product, as flash attention
   does, and rounds the output to fp16; the references compute in fp32 from the same fp16 inputs:
   2e-3 absolute + 2e-3 relative, a few fp16 ulps.
-bf16 is not covered here: the interpreter does not support it (bench/kernels.py covers it on GPU).
+- bf16 (only with PREFIXLB_KERNELS_TEST_DEVICE=cuda; the interpreter has no bf16): 2e-2, a few
+  bf16 ulps.
 """
 from __future__ import annotations
 
@@ -29,28 +31,48 @@ import torch.nn.functional as F
 
 from kernels import attention_ref
 
+# On a CUDA machine, PREFIXLB_KERNELS_TEST_DEVICE=cuda runs the same cases on the compiled kernels
+# (inputs built and checked here on CPU, moved to the GPU in the child), adding bf16.
+DEVICE = os.environ.get("PREFIXLB_KERNELS_TEST_DEVICE", "cpu")
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 TOLERANCE = {
     torch.float32: {"atol": 1e-5, "rtol": 1e-5},
     torch.float16: {"atol": 2e-3, "rtol": 2e-3},
+    torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
 }
 
 
 # ---- the child process ---------------------------------------------------------------------
 
-def _enable_interpreter() -> None:
+def _prepare_child() -> None:
     """Pool initializer: runs in the child before anything there imports triton."""
-    os.environ["TRITON_INTERPRET"] = "1"
+    if DEVICE == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+def _moved(value, device: str):
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_moved(v, device) for v in value)
+    return value
+
+
+def _backend():
+    from kernels.backend import get_attention_backend
+
+    return get_attention_backend("triton", DEVICE)
 
 
 def _triton(op: str, *args, **kwargs):
-    from kernels.backend import get_attention_backend
-
-    return getattr(get_attention_backend("triton", "cpu"), op)(*args, **kwargs)
+    out = getattr(_backend(), op)(*_moved(args, DEVICE), **kwargs)
+    return _moved(out, "cpu")
 
 
 def _triton_write_kv(k, v, k_cache, v_cache, slot_mapping):
-    _triton("write_kv", k, v, k_cache, v_cache, slot_mapping)
-    return k_cache, v_cache
+    k, v, k_cache, v_cache, slot_mapping = _moved((k, v, k_cache, v_cache, slot_mapping), DEVICE)
+    _backend().write_kv(k, v, k_cache, v_cache, slot_mapping)
+    return _moved((k_cache, v_cache), "cpu")
 
 
 def _mapped_cache(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -62,15 +84,22 @@ def _mapped_cache(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torc
 
 
 def _triton_on_mapped_caches(paths, shape, dtype, k, v, slot_mapping, decode_args, extend_args):
-    k_cache, v_cache = (_mapped_cache(p, shape, dtype) for p in paths)
-    _triton("write_kv", k, v, k_cache, v_cache, slot_mapping)
-    decoded = _triton("decode", decode_args[0], k_cache, v_cache, *decode_args[1:])
-    extended = _triton("extend", extend_args[0], k_cache, v_cache, *extend_args[1:])
-    return decoded, extended
+    mapped = [_mapped_cache(p, shape, dtype) for p in paths]
+    k_cache, v_cache = _moved(mapped, DEVICE)
+    backend = _backend()
+    backend.write_kv(*_moved((k, v), DEVICE), k_cache, v_cache, slot_mapping.to(DEVICE))
+    decode_args, extend_args = _moved(decode_args, DEVICE), _moved(extend_args, DEVICE)
+    decoded = backend.decode(decode_args[0], k_cache, v_cache, *decode_args[1:])
+    extended = backend.extend(extend_args[0], k_cache, v_cache, *extend_args[1:])
+    if DEVICE != "cpu":  # write back only the touched blocks: the files stay sparse
+        touched = torch.unique(slot_mapping // shape[1])
+        for host, device_cache in zip(mapped, (k_cache, v_cache)):
+            host[touched] = device_cache[touched.to(DEVICE)].cpu()
+    return _moved((decoded, extended), "cpu")
 
 
-class InterpretedKernels:
-    """Calls functions of this module in a spawned child with Triton's interpreter on."""
+class KernelProcess:
+    """Calls functions of this module in a spawned child (interpreter on, unless on CUDA)."""
 
     def __init__(self) -> None:
         self._pool: ProcessPoolExecutor | None = None
@@ -78,13 +107,13 @@ class InterpretedKernels:
     def __call__(self, fn, *args, **kwargs):
         if self._pool is None:
             self._pool = ProcessPoolExecutor(
-                max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_enable_interpreter
+                max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_prepare_child
             )
         try:
             return self._pool.submit(fn, *args, **kwargs).result(timeout=240)
         except BrokenProcessPool:
             self._pool = None
-            raise AssertionError("the interpreter process died: a kernel touched memory out of bounds") from None
+            raise AssertionError("the kernel process died: a kernel touched memory out of bounds") from None
 
     def close(self) -> None:
         if self._pool is not None:
@@ -93,7 +122,7 @@ class InterpretedKernels:
 
 @pytest.fixture(scope="module")
 def interpreted():
-    kernels = InterpretedKernels()
+    kernels = KernelProcess()
     yield kernels
     kernels.close()
 
@@ -139,7 +168,6 @@ def _sdpa_on_gathered(q, k_cache, v_cache, table, context_len, scale, causal_row
 SHAPES = [  # (group, head_dim, block_size): GQA ratios 1/4/8, head dims 64/128, block sizes 16/32
     (1, 64, 16), (1, 128, 32), (4, 64, 32), (4, 128, 16), (8, 64, 16), (8, 128, 32),
 ]
-DTYPES = [torch.float32, torch.float16]
 
 
 # ---- write_kv --------------------------------------------------------------------------------
@@ -163,7 +191,7 @@ def test_write_kv_places_tokens_exactly_where_the_reference_does_and_skips_paddi
 
 # ---- paged decode --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("group,head_dim,block_size", SHAPES)
 def test_decode_matches_reference_and_sdpa(interpreted, group, head_dim, block_size, dtype):
     # 70 and 45 are not multiples of 16 or 32; 1 is a single-token context.
@@ -208,7 +236,7 @@ def test_decode_of_a_zero_length_padding_row_is_zero_with_and_without_splits(int
 EXTEND_SEQS = [(70, 40), (45, 13), (1, 1), (37, 37)]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("group,head_dim,block_size", SHAPES)
 def test_extend_matches_reference_and_causal_sdpa(interpreted, group, head_dim, block_size, dtype):
     context_lens = [n for n, _ in EXTEND_SEQS]
