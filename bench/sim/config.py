@@ -1,0 +1,65 @@
+"""Settings of ``prefixlb sim`` and ``prefixlb sweep``: one schema for flags, env and YAML."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from protocol.settings import setting
+
+from bench.sim.fleet import FleetConfig
+from bench.sim.router import SimRouterConfig
+from bench.workloads import Workload, load_workload
+from bench.workloads.base import RequestSpec, poisson_arrivals
+
+ENV_PREFIX = "PREFIXLB_SIM_"
+POLICY_CHOICES = ("cache_aware", "least_load", "consistent_hash", "round_robin")
+
+
+@dataclass(slots=True)
+class SimSettings:
+    """A fleet simulation: workload, fleet, router."""
+
+    workload: str = setting("system-prompt", "system-prompt | doc-qa | multi-turn | mooncake:FILE | azure:FILE")
+    workload_opt: list[str] = setting(list, "workload option key=value (repeatable)", flag="--workload-opt")
+    seed: int = setting(0, "seed: the workload is deterministic given it")
+    num_requests: int | None = setting(None, "number of requests (default: the workload's own)", minimum=1)
+    rate: float | None = setting(None, "replace arrivals by a Poisson process of this many req/s", minimum=1e-9)
+    speedup: float = setting(1.0, "divide the workload's arrival times by this", minimum=1e-9)
+    workers: int = setting(8, "simulated replicas", minimum=1)
+    gpu: str = setting("H100-80G", "GPU profile (A100-80G, H100-80G, H200)")
+    sim_model: str = setting("llama-3-8b", "model profile (llama-3-8b, llama-3-70b)")
+    tp: int | None = setting(None, "tensor-parallel degree (default: smallest that fits)", minimum=1)
+    kv_blocks: int | None = setting(None, "KV blocks of --block-size tokens per worker (default: HBM - weights)",
+                                    minimum=1)
+    block_size: int = setting(16, "engine block size in tokens", minimum=1)
+    unit: int | None = setting(None, "simulator block in tokens (default: 512 for mooncake, else 64)", minimum=1)
+    max_num_seqs: int = setting(256, "most sequences in a batch (the simulated worker's default)", minimum=1)
+    max_num_batched_tokens: int = setting(8192, "token budget of a step (the simulated worker's default)",
+                                          minimum=1)
+    policy: str = setting("cache_aware", "routing policy", choices=POLICY_CHOICES)
+    affinity: float = setting(0.8, "cache_aware affinity strength", minimum=0.0, maximum=1.0)
+    report_interval: float = setting(0.5, "seconds between workers' load reports (0: none)", minimum=0.0)
+    upper_bound: bool = setting(False, "one worker with the whole fleet's capacity and compute")
+    out: str = setting("runs/sim", "output directory")
+    label: str | None = setting(None, "name of this run in reports (default: the directory name)")
+
+
+def build_workload(s: SimSettings) -> Workload:
+    """The workload of a simulation (arrivals re-timed when ``rate`` is given)."""
+    workload = load_workload(s.workload, s.seed, s.num_requests, s.workload_opt)
+    if s.rate is not None:
+        times = poisson_arrivals(len(workload.requests), s.rate, s.seed + 7)
+        workload.requests = [RequestSpec(r.index, t, r.segments, r.max_tokens, r.session)
+                             for r, t in zip(workload.requests, times)]
+    return workload
+
+
+def fleet_config(s: SimSettings, **overrides) -> FleetConfig:
+    """The fleet and router configuration of a simulation."""
+    unit = s.unit or (512 if s.workload.startswith("mooncake") else 64)
+    router = SimRouterConfig(policy=overrides.pop("policy", s.policy),
+                             affinity=overrides.pop("affinity", s.affinity),
+                             report_interval_s=s.report_interval)
+    return FleetConfig(workers=s.workers, gpu=s.gpu, model=s.sim_model, tp=s.tp, kv_blocks=s.kv_blocks,
+                       block_size=s.block_size, unit=unit, max_num_seqs=s.max_num_seqs,
+                       max_num_batched_tokens=s.max_num_batched_tokens, speedup=s.speedup,
+                       upper_bound=s.upper_bound, router=router, **overrides)

@@ -1,0 +1,174 @@
+"""The fleet simulator: a workload through the router's policy onto simulated replicas, in virtual time.
+
+One event loop, no HTTP, no sleeping: arrivals come from the workload (``arrival_s / speedup``),
+each worker's next event is the end of its step (or of a run of decode steps) in a heap, and
+heartbeat load reports go to the router every ``report_interval_s``. Results are the same
+:class:`~bench.records.RequestRecord` lines the HTTP load generator writes, so the same summary,
+report and ``bench compare`` apply.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+from worker.simulator.latency import LatencyModel
+from worker.simulator.profiles import get_gpu, get_model
+
+from bench.records import RequestRecord
+from bench.sim.router import NoCapacity, SimRouter, SimRouterConfig
+from bench.sim.worker import SimRequest, SimWorker
+from bench.workloads import Workload, unit_hashes
+
+
+@dataclass(slots=True)
+class FleetConfig:
+    """The simulated fleet: how many replicas of which GPU/model, their KV pool and batching."""
+
+    workers: int = 8
+    gpu: str = "H100-80G"
+    model: str = "llama-3-8b"
+    tp: int | None = None
+    kv_blocks: int | None = None  # per worker, in engine blocks of ``block_size`` tokens
+    block_size: int = 16
+    unit: int = 512  # the simulator's block, in tokens (a multiple of block_size)
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    bos_tokens: int = 1  # the byte tokenizer's BOS: prompt_tokens = characters + 1
+    speedup: float = 1.0
+    upper_bound: bool = False  # one worker with the whole fleet's capacity and compute
+    decode_runs: bool = True  # sum runs of decode-only steps in closed form (False: step by step)
+    router: SimRouterConfig = field(default_factory=SimRouterConfig)
+
+
+@dataclass(slots=True)
+class SimResult:
+    """Per-request records plus what the run was and how the fleet was used."""
+
+    records: list[RequestRecord]
+    meta: dict
+
+
+def build_latency(cfg: FleetConfig) -> LatencyModel:
+    """The latency model of one replica (of the merged replica for the upper bound)."""
+    gpu, model = get_gpu(cfg.gpu), get_model(cfg.model)
+    if cfg.upper_bound:
+        base = LatencyModel(gpu, model, tp=cfg.tp)
+        return LatencyModel(gpu, model, tp=base.tp * cfg.workers)
+    return LatencyModel(gpu, model, tp=cfg.tp)
+
+
+def build_workers(cfg: FleetConfig, latency: LatencyModel) -> list[SimWorker]:
+    """The replicas (one merged replica for the upper bound)."""
+    if cfg.unit % cfg.block_size:
+        raise ValueError("unit must be a multiple of block_size")
+    per_worker_tokens = (cfg.kv_blocks * cfg.block_size if cfg.kv_blocks is not None
+                         else LatencyModel(latency.gpu, latency.model, tp=cfg.tp).kv_capacity_tokens())
+    n = 1 if cfg.upper_bound else cfg.workers
+    scale = cfg.workers if cfg.upper_bound else 1
+    return [SimWorker(f"sim-{i}", latency, per_worker_tokens * scale // cfg.unit, cfg.unit,
+                      cfg.max_num_seqs * scale, cfg.max_num_batched_tokens * scale,
+                      decode_runs=cfg.decode_runs) for i in range(n)]
+
+
+def simulate(workload: Workload, cfg: FleetConfig) -> SimResult:
+    """Run ``workload`` through the fleet; deterministic for a given workload and config."""
+    started = time.perf_counter()
+    latency = build_latency(cfg)
+    workers = build_workers(cfg, latency)
+    prefill_rate, decode_step = latency.nominal_speed()
+    router = SimRouter(workers, cfg.router, cfg.unit, cfg.block_size, prefill_rate, decode_step)
+    by_id = {w.worker_id: i for i, w in enumerate(workers)}
+    heap: list[tuple[float, int, int, int]] = []  # (time, seq, worker index, worker version)
+    seq = 0
+    requests: list[SimRequest] = []
+    records: list[RequestRecord] = []
+    interval = cfg.router.report_interval_s
+    next_report = 0.0
+
+    def handle(w: SimWorker, now: float) -> None:
+        for req in w.take_first_tokens():
+            router.on_first_token(req, now)
+        for kind, hashes in w.take_kv_events():
+            router.on_kv(w.worker_id, kind, hashes, now)
+        for req in w.take_finished():
+            router.on_finish(req, now)
+
+    def run_until(t: float) -> None:
+        nonlocal seq, next_report
+        while True:
+            if not heap:
+                # An idle fleet sends nothing new; resume the heartbeat grid at ``t``.
+                if interval > 0 and t != float("inf"):
+                    next_report = max(next_report, math.ceil(t / interval) * interval)
+                return
+            head = heap[0][0]
+            if interval > 0 and next_report <= min(head, t):
+                for w in workers:
+                    router.report(w, next_report, prefill_rate, decode_step)
+                next_report += interval
+                continue
+            if head > t:
+                return
+            when, _, wi, version = heapq.heappop(heap)
+            w = workers[wi]
+            if version != w.version:
+                continue
+            nxt = w.on_event(when)
+            handle(w, when)
+            if nxt is not None:
+                seq += 1
+                heapq.heappush(heap, (nxt, seq, wi, w.version))
+
+    for spec in workload.requests:
+        now = spec.arrival_s / cfg.speedup
+        run_until(now)
+        req = SimRequest(spec.index, now, unit_hashes(spec.segments, cfg.unit),
+                         spec.prompt_tokens + cfg.bos_tokens, spec.max_tokens, spec.session)
+        requests.append(req)
+        if not workers[0].fits(req):
+            req.error = "prompt and max_tokens do not fit the worker's KV cache"
+            continue
+        try:
+            decision = router.route(req, now)
+        except NoCapacity as exc:
+            req.error = f"no capacity: {exc}"
+            continue
+        wi = by_id[decision.worker_id]
+        w = workers[wi]
+        nxt = w.add(req, now)
+        if nxt is not None:
+            seq += 1
+            heapq.heappush(heap, (nxt, seq, wi, w.version))
+    run_until(float("inf"))
+
+    end = max((r.finished_at or r.arrival for r in requests), default=0.0)
+    for r in requests:
+        if r.error is None and r.finished_at is None:
+            r.error = "did not finish"
+        ok = r.error is None
+        records.append(RequestRecord(
+            index=r.index, sent_s=r.arrival, worker_id=r.worker_id,
+            ttft_ms=(r.first_token_at - r.arrival) * 1000.0 if ok else None,
+            e2e_ms=(r.finished_at - r.arrival) * 1000.0 if ok else None,
+            prompt_tokens=r.num_prompt if ok else 0, cached_tokens=max(0, r.cached_tokens) if ok else 0,
+            completion_tokens=r.max_tokens if ok else 0, error=r.error, session=r.session))
+    span = max(1e-9, end - (requests[0].arrival if requests else 0.0))
+    meta = {
+        "kind": "sim",
+        "workload": workload.name,
+        "workload_params": workload.params,
+        "fleet": {k: v for k, v in asdict(cfg).items() if k != "router"},
+        "router": asdict(cfg.router),
+        "tp": latency.tp,
+        "kv_blocks_per_worker": workers[0].pool.num_blocks * cfg.unit // cfg.block_size,
+        "kv_tokens_per_worker": workers[0].pool.num_blocks * cfg.unit,
+        "utilisation": {w.worker_id: round(w.busy_s / span, 4) for w in workers},
+        "mean_utilisation": round(sum(w.busy_s for w in workers) / span / len(workers), 4),
+        "preemptions": sum(w.num_preemptions for w in workers),
+        "reasons": dict(sorted(router.reasons.items())),
+        "nominal_prefill_tokens_per_s": round(prefill_rate, 1),
+        "wall_s": round(time.perf_counter() - started, 3),
+    }
+    return SimResult(records, meta)

@@ -1,0 +1,373 @@
+"""One simulated replica in virtual time: the engine's scheduling rules, its BlockPool, the latency model.
+
+Fidelity to the engine (``worker/scheduler.py``, ``worker/kv_cache/``):
+
+- the prefix cache *is* the engine's :class:`~worker.kv_cache.BlockPool` (ref counts, LRU free
+  queue, hash map, KV events), driven with the engine's rules: the longest run of cached
+  leading blocks is reused but never the block holding the last token, blocks are registered
+  after the step that wrote them, a finished request frees its blocks tail first;
+- the scheduler follows the engine's: each step has a token budget; running requests first in
+  admission order (a decode takes 1 token, a partial prefill its next chunk), preempting the
+  most recently admitted one by recompute when blocks run out; then strict-FCFS admission of
+  waiting requests while budget, ``max_num_seqs`` and blocks allow; prefill and decode share
+  steps; a step's duration is the latency model's :meth:`step_time`.
+
+Differences, for speed (1,000 workers × 1,000,000 requests is the target):
+
+- blocks are ``unit`` tokens, not 16: a workload's prefixes are shared in whole units (Mooncake:
+  512-token blocks), so the cached-token counts are the engine's up to the last partial unit;
+- prompt blocks only carry hashes (the engine also registers full blocks of generated tokens,
+  which no later prompt of our workloads can match; here they are freed as plain blocks);
+- runs of decode-only steps between events are summed in closed form (:meth:`_decode_run`)
+  instead of stepping one by one: the batch is fixed until a request finishes, needs a new block
+  or a new request arrives, and the roofline time of each step is affine in its index.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from worker.kv_cache import BlockPool, BlockRemoved, BlockStored
+from worker.simulator.latency import LatencyModel, StepShape
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division."""
+    return -(-a // b)
+
+
+class SimRequest:
+    """One request's progress inside a simulated worker (times in virtual seconds)."""
+
+    __slots__ = ("index", "arrival", "hashes", "num_prompt", "max_tokens", "session", "num_computed",
+                 "num_output", "cached_tokens", "first_token_at", "finished_at", "blocks",
+                 "num_registered", "worker_id", "error", "prefill_left")
+
+    def __init__(self, index: int, arrival: float, hashes: list[int], num_prompt: int, max_tokens: int,
+                 session: str | None = None) -> None:
+        self.index = index
+        self.arrival = arrival
+        self.hashes = hashes
+        self.num_prompt = num_prompt
+        self.max_tokens = max_tokens
+        self.session = session
+        self.num_computed = 0
+        self.num_output = 0
+        self.cached_tokens = -1
+        self.first_token_at: float | None = None
+        self.finished_at: float | None = None
+        self.blocks: list = []
+        self.num_registered = 0
+        self.worker_id: str | None = None
+        self.error: str | None = None
+        self.prefill_left = 0  # tokens still to prefill (0 once decoding)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return self.num_prompt + self.num_output
+
+
+class SimWorker:
+    """A replica's queues, KV blocks and clock. The fleet calls :meth:`add` and :meth:`on_event`.
+
+    Both return the virtual time of this worker's next event (the end of the step or decode run
+    it starts), or None when it is idle; the fleet keeps those in its event heap, and bumps
+    :attr:`version` to invalidate older entries.
+    """
+
+    def __init__(self, worker_id: str, latency: LatencyModel, num_blocks: int, unit: int,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+                 enable_caching: bool = True, decode_runs: bool = True) -> None:
+        self.worker_id = worker_id
+        self.decode_runs = decode_runs
+        self.latency = latency
+        self.unit = unit
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.version = 0
+        self.finished: list[SimRequest] = []
+        self.first_tokens: list[SimRequest] = []
+        # The step (or decode run) in flight: its batch, start, end, and for a run its length.
+        self._batch: list[tuple[SimRequest, int]] = []
+        self._start = 0.0
+        self._end: float | None = None
+        self._run: tuple[float, float, float, float, int] | None = None  # (c0, c1, m0, m1, k)
+        self.busy_s = 0.0
+        self.num_preemptions = 0
+        # Sums the policy reads as load, kept incrementally (no per-decision scans).
+        self.queued_prefill_tokens = 0
+        self.running_tokens = 0
+        self._oh = latency.step_overhead_s
+        m = latency.model
+        self._c_tok = (2.0 * m.matmul_params + 2.0 * m.vocab_size * m.hidden_size) / latency._flops_per_s
+        self._c_ctx = 4.0 * m.num_layers * m.num_heads * m.head_dim / latency._flops_per_s
+        self._m_base = m.weight_bytes / latency._bytes_per_s
+        self._m_ctx = m.kv_bytes_per_token / latency._bytes_per_s
+
+    # ------------------------------------------------------------------ fleet interface
+
+    @property
+    def idle(self) -> bool:
+        """True when nothing is in flight."""
+        return self._end is None
+
+    def fits(self, req: SimRequest) -> bool:
+        """Whether the request could ever run here (its prompt and output fit the pool)."""
+        return cdiv(req.num_prompt + req.max_tokens, self.unit) <= self.pool.num_blocks
+
+    def add(self, req: SimRequest, now: float) -> float | None:
+        """Queue ``req`` at ``now``; returns the time of this worker's next event."""
+        req.worker_id = self.worker_id
+        req.prefill_left = req.num_tokens - req.num_computed
+        self.waiting.append(req)
+        self.queued_prefill_tokens += req.prefill_left
+        if self._end is None:
+            return self._start_step(now)
+        if self._run is not None and self._end > now:
+            # A decode run in flight is cut after the step in progress at ``now``: the new
+            # request joins the batch from the next step on, as in the engine.
+            c0, c1, m0, m1, k = self._run
+            done = self._steps_done_by(now - self._start, c0, c1, m0, m1, k)
+            m = min(k, done + 1)
+            if m < k:
+                self._run = (c0, c1, m0, m1, m)
+                self._end = self._start + self._run_time(c0, c1, m0, m1, m)
+                self.version += 1
+                return self._end
+        return None
+
+    def on_event(self, now: float) -> float | None:
+        """The step or run in flight ended at ``now``: apply it, start the next one."""
+        self.busy_s += now - self._start
+        if self._run is not None:
+            k = self._run[4]
+            for req in self._batch:
+                req.num_output += k
+                req.num_computed += k
+            self.running_tokens += k * len(self._batch)
+            self._finish_done(now)
+        else:
+            self._apply_step(now)
+        self._run = None
+        self._batch = []
+        self._end = None
+        if self.waiting or self.running:
+            return self._start_step(now)
+        return None
+
+    def take_kv_events(self) -> list[tuple[str, list[int]]]:
+        """The BlockPool's KV events since the last call, as (``stored`` | ``removed``, hashes)."""
+        out = []
+        for ev in self.pool.take_events():
+            if isinstance(ev, BlockStored):
+                out.append(("stored", ev.block_hashes))
+            elif isinstance(ev, BlockRemoved):
+                out.append(("removed", ev.block_hashes))
+        return out
+
+    def take_first_tokens(self) -> list[SimRequest]:
+        """Requests whose first token came out since the last call."""
+        out, self.first_tokens = self.first_tokens, []
+        return out
+
+    def take_finished(self) -> list[SimRequest]:
+        """Requests that finished since the last call."""
+        out, self.finished = self.finished, []
+        return out
+
+    # ------------------------------------------------------------------ stepping
+
+    def _start_step(self, now: float) -> float | None:
+        self.version += 1
+        self._start = now
+        run = self._decode_run()
+        if run is not None:
+            self._batch = list(self.running)
+            self._run = run
+            self._end = now + self._run_time(*run)
+            return self._end
+        batch, shape = self._schedule()
+        if not batch:
+            self._end = None
+            return None
+        self._batch = batch
+        self._end = now + self.latency.step_time(shape)
+        return self._end
+
+    def _decode_run(self) -> tuple[float, float, float, float, int] | None:
+        """A run of identical decode-only steps, if nothing but time can change the batch."""
+        running = self.running
+        if not self.decode_runs or not running or self.waiting and self._can_admit_head():
+            return None
+        unit = self.unit
+        k = 1 << 62
+        ctx = 0
+        for req in running:
+            n = req.num_tokens
+            if req.num_computed != n - 1:
+                return None  # still prefilling
+            k = min(k, req.max_tokens - req.num_output, len(req.blocks) * unit - n + 1)
+            ctx += n
+        if k < 2:
+            return None
+        b = len(running)
+        c0 = self._c_tok * b + self._c_ctx * ctx
+        m0 = self._m_base + self._m_ctx * ctx
+        return (c0, self._c_ctx * b, m0, self._m_ctx * b, k)
+
+    def _can_admit_head(self) -> bool:
+        if len(self.running) >= self.max_num_seqs:
+            return False
+        req = self.waiting[0]
+        hits, hit_tokens = self._cached_prefix(req)
+        n = min(req.num_tokens - hit_tokens, max(1, self.max_num_batched_tokens - len(self.running)))
+        needed = cdiv(hit_tokens + n, self.unit) - len(hits)
+        evictable = sum(1 for blk in hits if blk.ref_cnt == 0)
+        return max(needed, 0) + evictable <= self.pool.get_num_free_blocks()
+
+    def _run_time(self, c0: float, c1: float, m0: float, m1: float, k: int) -> float:
+        """Sum over steps i < k of overhead + max(c0 + c1·i, m0 + m1·i)."""
+        def affine_sum(a: float, b: float, i0: int, i1: int) -> float:
+            return (i1 - i0) * a + b * (i0 + i1 - 1) * (i1 - i0) / 2.0 if i1 > i0 else 0.0
+
+        total = self._oh * k
+        d0, d1 = c0 - m0, c1 - m1  # step i is compute-bound exactly when d0 + d1·i >= 0
+        if d1 == 0.0:
+            return total + (affine_sum(c0, c1, 0, k) if d0 >= 0 else affine_sum(m0, m1, 0, k))
+        if d1 > 0:  # memory-bound first, compute-bound from ``cross`` on
+            cross = min(k, max(0, math.ceil(-d0 / d1)))
+            return total + affine_sum(m0, m1, 0, cross) + affine_sum(c0, c1, cross, k)
+        cross = min(k, max(0, math.floor(d0 / -d1) + 1)) if d0 >= 0 else 0  # compute-bound first
+        return total + affine_sum(c0, c1, 0, cross) + affine_sum(m0, m1, cross, k)
+
+    def _steps_done_by(self, elapsed: float, c0: float, c1: float, m0: float, m1: float, k: int) -> int:
+        """How many steps of a run have ended ``elapsed`` seconds after it started."""
+        lo, hi = 0, k
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._run_time(c0, c1, m0, m1, mid) <= elapsed:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _cached_prefix(self, req: SimRequest) -> tuple[list, int]:
+        pool = self.pool
+        if not pool.enable_caching:
+            return [], 0
+        max_blocks = min((req.num_tokens - 1) // self.unit, len(req.hashes))
+        lookup = pool.cached_block_hash_to_block
+        hits = []
+        for h in req.hashes[:max_blocks]:
+            blk = lookup.get(h)
+            if blk is None:
+                break
+            hits.append(blk)
+        return hits, len(hits) * self.unit
+
+    def _allocate(self, req: SimRequest, n: int, hits: list | None = None) -> bool:
+        hits = hits or []
+        needed = cdiv(req.num_computed + len(hits) * self.unit + n, self.unit) - len(req.blocks) - len(hits)
+        evictable = sum(1 for blk in hits if blk.ref_cnt == 0)
+        if max(needed, 0) + evictable > self.pool.get_num_free_blocks():
+            return False
+        if hits:
+            self.pool.touch(hits)
+            req.blocks.extend(hits)
+            req.num_registered = len(req.blocks)
+        if needed > 0:
+            req.blocks.extend(self.pool.get_new_blocks(needed))
+        return True
+
+    def _free(self, req: SimRequest) -> None:
+        self.pool.free_blocks(reversed(req.blocks))
+        req.blocks = []
+        req.num_registered = 0
+
+    def _preempt(self, req: SimRequest) -> None:
+        self.running.remove(req)
+        self.running_tokens -= req.num_tokens
+        self._free(req)
+        req.num_computed = 0
+        self.queued_prefill_tokens += req.num_tokens - req.prefill_left
+        req.prefill_left = req.num_tokens
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def _schedule(self) -> tuple[list[tuple[SimRequest, int]], StepShape]:
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[SimRequest, int]] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed, budget)
+            ok = self._allocate(req, n)
+            while not ok:
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+                ok = self._allocate(req, n)
+            if not ok:
+                break
+            scheduled.append((req, n))
+            budget -= n
+            i += 1
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            hits, hit_tokens = self._cached_prefix(req)
+            n = min(req.num_tokens - hit_tokens, budget)
+            if not self._allocate(req, n, hits):
+                break
+            self.waiting.popleft()
+            self.queued_prefill_tokens -= hit_tokens
+            req.prefill_left -= hit_tokens
+            req.num_computed = hit_tokens
+            if req.cached_tokens < 0:
+                req.cached_tokens = hit_tokens
+            self.running.append(req)
+            self.running_tokens += req.num_tokens
+            scheduled.append((req, n))
+            budget -= n
+        shape = StepShape()
+        for req, n in scheduled:
+            if req.prefill_left == 0:
+                shape.add_decode(req.num_tokens)
+            else:
+                shape.add_prefill(n, req.num_computed, samples=req.num_computed + n == req.num_tokens)
+        return scheduled, shape
+
+    def _apply_step(self, now: float) -> None:
+        pool = self.pool
+        unit = self.unit
+        for req, n in self._batch:
+            if req.prefill_left:
+                req.prefill_left -= n
+                self.queued_prefill_tokens -= n
+            req.num_computed += n
+            if req.num_computed == req.num_tokens:
+                req.num_output += 1
+                self.running_tokens += 1
+                if req.first_token_at is None:
+                    req.first_token_at = now
+                    self.first_tokens.append(req)
+            num_full = min(req.num_computed // unit, len(req.blocks), len(req.hashes))
+            if num_full > req.num_registered:
+                pool.cache_blocks(req.blocks[req.num_registered:num_full], req.hashes[req.num_registered:num_full])
+                req.num_registered = num_full
+        self._finish_done(now)
+
+    def _finish_done(self, now: float) -> None:
+        done = [r for r in self.running if r.num_output >= r.max_tokens]
+        for req in done:
+            self.running.remove(req)
+            self.running_tokens -= req.num_tokens
+            req.finished_at = now
+            self._free(req)
+            self.finished.append(req)
