@@ -1,0 +1,105 @@
+"""worker.kv_events: engine block events become exactly the router chunk events they imply."""
+from __future__ import annotations
+
+from protocol import chunk_hashes, namespace_seed
+from worker.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored
+from worker.kv_cache.hashing import hash_block_tokens
+from worker.kv_events import ChunkEvent, KVEventMapper, RequestChunks, chunk_blocks, request_chunks
+
+BOS = 256
+NS = namespace_seed("tiny")
+
+
+def _byte_tokens(text: str) -> list[int]:
+    return [BOS, *text.encode()]
+
+
+def _block_hashes(tokens: list[int], bs: int = 16) -> list[int]:
+    out, parent = [], None
+    for i in range(len(tokens) // bs):
+        parent = hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs], NS)
+        out.append(parent)
+    return out
+
+
+def test_chunks_map_to_the_block_holding_their_last_byte_after_bos():
+    # 300 bytes + BOS = 301 tokens, 18 full blocks. Chunk 1 ends at byte 128 = token index 128
+    # (BOS shifts by one): block 8; chunk 2 ends at token index 256: block 16.
+    assert chunk_blocks(2, 128, 300, 301, 16) == [8, 16]
+
+
+def test_a_chunk_ending_in_the_partial_last_block_is_not_attached():
+    # 260 bytes + BOS = 261 tokens: 16 full blocks (0..15); chunk 2 ends at token 256, block 16.
+    assert chunk_blocks(2, 128, 260, 261, 16) == [8, -1]
+
+
+def test_chunks_map_proportionally_when_tokens_are_not_bytes():
+    # 1000 rendered bytes, 100 tokens (6 full blocks): chunk i ends after token ceil(12.8 i)
+    # = 13, 26, 39, 52, 64, 77, 90, in blocks ceil(p / 16) - 1.
+    assert chunk_blocks(7, 128, 1000, 100, 16) == [0, 1, 2, 3, 3, 4, 5]
+    # 72 tokens (4 full blocks): ceil(9.216 i) = 10, 19, 28, 37, 47, 56, 65.
+    assert chunk_blocks(7, 128, 1000, 72, 16) == [0, 1, 1, 2, 2, 3, -1]
+
+
+def test_request_chunks_are_the_router_chain_on_the_engine_chain():
+    text = "x" * 300
+    rc = request_chunks(text.encode(), _byte_tokens(text), NS, 128, 16)
+    assert rc.chunk_hashes == chunk_hashes(text.encode(), 128, NS)
+    assert rc.chunk_block_ids == [8, 16]
+    assert rc.block_hashes == _block_hashes(_byte_tokens(text))[:17]
+
+
+def test_stored_then_evicted_blocks_announce_exactly_their_chunks():
+    text = "The quick brown fox jumps over the lazy dog. " * 7  # 315 bytes
+    tokens = _byte_tokens(text)
+    h1, h2 = chunk_hashes(text.encode(), 128, NS)
+    blocks = _block_hashes(tokens)
+    mapper = KVEventMapper()
+    assert mapper.register(request_chunks(text.encode(), tokens, NS, 128, 16)) == []
+
+    assert mapper.translate([BlockStored(blocks)]) == [ChunkEvent("stored", [h1, h2])]
+    # The engine evicts the tail first: the longer prefix is forgotten, the shorter one stays.
+    assert mapper.translate([BlockRemoved(blocks[16:])]) == [ChunkEvent("removed", [h2])]
+    assert mapper.translate([BlockRemoved(blocks[9:16])]) == []
+    assert mapper.translate([BlockRemoved(blocks[8:9])]) == [ChunkEvent("removed", [h1])]
+    assert len(mapper) == 0
+
+
+def test_blocks_without_chunks_produce_no_events():
+    mapper = KVEventMapper()
+    assert mapper.translate([BlockStored([1, 2, 3]), BlockRemoved([2])]) == []
+
+
+def test_cleared_forgets_everything_and_is_announced():
+    text = "y" * 200
+    mapper = KVEventMapper()
+    mapper.register(request_chunks(text.encode(), _byte_tokens(text), NS, 128, 16))
+    assert mapper.translate([AllBlocksCleared()]) == [ChunkEvent("cleared", [])]
+    assert len(mapper) == 0
+
+
+def test_chunks_newly_attached_to_an_already_stored_block_are_announced_at_once():
+    mapper = KVEventMapper()
+    tokens = list(range(64))
+    blocks = _block_hashes(tokens)
+    mapper.register(RequestChunks([11], [1], blocks))
+    assert mapper.translate([BlockStored(blocks[:2])]) == [ChunkEvent("stored", [11])]
+    assert mapper.register(RequestChunks([11, 22], [1, 1], blocks)) == [ChunkEvent("stored", [22])]
+    assert mapper.chunks_of(blocks[1]) == [11, 22]
+
+
+def test_the_table_is_bounded_and_counts_what_it_forgot():
+    mapper = KVEventMapper(max_blocks=3)
+    for i in range(5):
+        mapper.register(RequestChunks([100 + i], [0], [i]))
+    assert len(mapper) == 3
+    assert mapper.forgotten == 2
+    assert mapper.chunks_of(0) == [] and mapper.chunks_of(4) == [104]
+
+
+def test_different_namespaces_give_disjoint_chains():
+    text = "z" * 256
+    a = request_chunks(text.encode(), _byte_tokens(text), namespace_seed("tiny"), 128, 16)
+    b = request_chunks(text.encode(), _byte_tokens(text), namespace_seed("tiny", cache_salt="s"), 128, 16)
+    assert set(a.chunk_hashes).isdisjoint(b.chunk_hashes)
+    assert set(a.block_hashes).isdisjoint(b.block_hashes)

@@ -1,0 +1,119 @@
+"""SimulatedRunner: the engine's ModelRunner with a latency model in place of a model.
+
+The engine keeps everything real — scheduler, continuous batching, BlockPool, prefix cache,
+preemption — and only ``execute`` is simulated: it sums the step's work into a
+:class:`~worker.simulator.latency.StepShape`, sleeps the modelled duration divided by the time
+scale, and returns deterministic tokens (a fixed text, then EOS after ``output_len`` tokens,
+which ``ignore_eos`` and ``max_tokens`` override as usual).
+
+Sleeps are scheduled on a virtual clock: each step ends ``duration / time_scale`` after the
+previous step's end, not after "now", so per-step Python overhead and sleep overshoot do not
+accumulate while the engine is busy. After an idle gap the clock restarts from now.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from worker.config import EngineConfig
+from worker.engine import LLMEngine
+from worker.runner import RunnerOutput, ScheduledBatch, TokenLogprob
+from worker.simulator.latency import LatencyModel, StepShape
+from worker.simulator.profiles import get_gpu, get_model
+from worker.tokenizer import BYTE_EOS_ID, ByteTokenizer
+
+SIM_TEXT = (b"The quick brown fox jumps over the lazy dog while the simulated model keeps "
+            b"answering in the same calm and deterministic voice. ")
+IMPOSSIBLE_LOGPROB = -9999.0  # OpenAI's value for tokens the distribution never picks
+
+
+@dataclass(slots=True)
+class VirtualClock:
+    """Sleeps so that consecutive steps end exactly ``duration / time_scale`` apart."""
+
+    time_scale: float = 1.0
+    idle_gap_s: float = 0.05
+    now: Callable[[], float] = time.monotonic
+    sleep: Callable[[float], None] = time.sleep
+    modelled_s: float = 0.0  # total modelled (unscaled) time of all steps
+    _next: float = field(default=0.0)
+
+    def advance(self, modelled_s: float) -> float:
+        """Account one step of ``modelled_s`` seconds; sleep until it ends; return the wall sleep."""
+        self.modelled_s += modelled_s
+        now = self.now()
+        start = self._next if now - self._next < self.idle_gap_s else now
+        self._next = start + modelled_s / self.time_scale
+        wait = self._next - now
+        if wait > 0:
+            self.sleep(wait)
+        return max(0.0, wait)
+
+
+class SimulatedRunner:
+    """A :class:`~worker.runner.ModelRunner` whose steps take the latency model's time."""
+
+    def __init__(self, latency: LatencyModel, time_scale: float = 1.0, output_len: int = 256,
+                 eos_token_id: int = BYTE_EOS_ID, clock: VirtualClock | None = None) -> None:
+        self.latency = latency
+        self.output_len = output_len
+        self.eos_token_id = eos_token_id
+        self.clock = clock or VirtualClock(time_scale)
+        self.steps = 0
+
+    def shape(self, batch: ScheduledBatch) -> StepShape:
+        """The latency model's view of a batch."""
+        shape = StepShape()
+        for s in batch.seqs:
+            if s.is_prefill:
+                shape.add_prefill(s.num_scheduled_tokens, s.num_computed_tokens, s.samples)
+            else:
+                shape.add_decode(s.context_len)
+        return shape
+
+    def token_for(self, output_index: int) -> int:
+        """The deterministic token at output position ``output_index`` (EOS at ``output_len - 1``)."""
+        if output_index >= self.output_len - 1:
+            return self.eos_token_id
+        return SIM_TEXT[output_index % len(SIM_TEXT)]
+
+    def execute(self, batch: ScheduledBatch) -> RunnerOutput:
+        """Sleep the step's modelled time, then sample one token per sampling sequence."""
+        self.clock.advance(self.latency.step_time(self.shape(batch)))
+        self.steps += 1
+        out = RunnerOutput()
+        for s in batch.seqs:
+            if not s.samples:
+                continue
+            token = self.token_for(s.num_output_tokens)
+            out.sampled_token_ids[s.request_id] = token
+            k = s.sampling_params.logprobs
+            if k is not None:
+                # The simulated distribution puts all mass on its token.
+                top = [(token, 0.0)] + [((token + i) % 256, IMPOSSIBLE_LOGPROB) for i in range(1, k)]
+                out.logprobs[s.request_id] = TokenLogprob(token, 0.0, top[:k])
+        return out
+
+
+def build_simulated_engine(gpu: str, model: str, *, tp: int | None = None, time_scale: float = 1.0,
+                           block_size: int = 16, num_kv_blocks: int | None = None,
+                           max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+                           max_model_len: int | None = None, output_len: int = 256,
+                           seed: int = 0) -> tuple[LLMEngine, SimulatedRunner]:
+    """An LLMEngine on a simulated ``model`` over ``tp`` x ``gpu`` (profile names).
+
+    KV capacity is the latency model's unless ``num_kv_blocks`` overrides it. The engine reports
+    the profile's nominal speed (scaled by ``time_scale``) until it has measured its own steps.
+    """
+    latency = LatencyModel(get_gpu(gpu), get_model(model), tp=tp)
+    blocks = num_kv_blocks or latency.kv_capacity_blocks(block_size)
+    prefill_tps, decode_s = latency.nominal_speed()
+    config = EngineConfig(
+        model=None, block_size=block_size, num_kv_blocks=blocks, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len or latency.model.max_model_len, seed=seed,
+        default_prefill_tokens_per_s=prefill_tps * time_scale,
+        default_decode_step_s=decode_s / time_scale)
+    runner = SimulatedRunner(latency, time_scale=time_scale, output_len=output_len)
+    return LLMEngine(config, runner=runner, tokenizer=ByteTokenizer()), runner
