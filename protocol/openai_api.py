@@ -12,6 +12,9 @@ UTF-8 and lone surrogates are refused, and booleans never pass for numbers. Unkn
 ignored (as vLLM does), but known fields whose behaviour we do not implement (penalties,
 ``logit_bias``, ``echo``, ...) are refused when set to anything but their neutral value: a
 request is never silently served differently from what it asked.
+
+The error shape lives in protocol/openai_errors.py and body decoding in protocol/openai_body.py;
+both are re-exported here, the one module callers import.
 """
 from __future__ import annotations
 
@@ -20,128 +23,21 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-INVALID_REQUEST = "invalid_request_error"
-NOT_FOUND = "not_found_error"
-SERVICE_UNAVAILABLE = "service_unavailable_error"
-SERVER_ERROR = "server_error"
+from protocol.openai_body import DEFAULT_LIMITS, RequestLimits, parse_json_body
+from protocol.openai_errors import (INVALID_REQUEST, NOT_FOUND, SERVER_ERROR, SERVICE_UNAVAILABLE,
+                                    OpenAIError, bad_request, body_too_large, error_body,
+                                    model_not_found)
+
+__all__ = [
+    "DEFAULT_LIMITS", "INVALID_REQUEST", "NOT_FOUND", "SERVER_ERROR", "SERVICE_UNAVAILABLE",
+    "ChatCompletionRequest", "CompletionRequest", "OpenAIError", "RequestLimits", "SamplingOptions",
+    "bad_request", "body_too_large", "error_body", "model_not_found", "parse_chat_request",
+    "parse_completion_request", "parse_json_body", "parse_request",
+]
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1
-
-
-class OpenAIError(Exception):
-    """An error for the client, with its HTTP status, in OpenAI's shape (see :func:`error_body`)."""
-
-    def __init__(self, status: int, message: str, type: str = INVALID_REQUEST,
-                 param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-
-    def body(self) -> dict[str, Any]:
-        """The JSON body to send."""
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(message: str, type: str = INVALID_REQUEST, param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
-    """``{"error": {"message", "type", "param", "code"}}``, the shape OpenAI clients parse."""
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
-    """A 400 ``invalid_request_error``."""
-    return OpenAIError(400, message, INVALID_REQUEST, param, code)
-
-
-def model_not_found(model: str, served: list[str]) -> OpenAIError:
-    """A 404 for a model this server does not serve."""
-    return OpenAIError(404, f"The model {model!r} does not exist; served: {', '.join(served)}",
-                       NOT_FOUND, "model", "model_not_found")
-
-
-def body_too_large(limit: int) -> OpenAIError:
-    """A 413 for a body over ``limit`` bytes."""
-    return OpenAIError(413, f"Request body is larger than the limit of {limit} bytes",
-                       INVALID_REQUEST, None, "request_too_large")
-
-
-@dataclass(frozen=True, slots=True)
-class RequestLimits:
-    """Bounds on what one request may contain (defaults fit 1M-token prompts, nothing absurd)."""
-
-    max_body_bytes: int = 16 * 1024 * 1024
-    max_depth: int = 32
-    max_prompt_chars: int = 8 * 1024 * 1024
-    max_name_chars: int = 256
-    max_messages: int = 4096
-    max_content_parts: int = 512
-    max_prompt_token_ids: int = 1_048_576
-    max_stop: int = 16
-    max_stop_chars: int = 1024
-    max_stop_token_ids: int = 256
-    max_tokens: int = 1_048_576
-    max_n: int = 8
-    max_logprobs: int = 20
-    max_tools: int = 256
-
-
-DEFAULT_LIMITS = RequestLimits()
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def parse_json_body(raw: bytes, limits: RequestLimits = DEFAULT_LIMITS) -> dict[str, Any]:
-    """Decode a request body into a JSON object, or raise a 4xx :class:`OpenAIError`.
-
-    413 over ``max_body_bytes``; 400 for invalid UTF-8, malformed JSON, ``NaN``/``Infinity``,
-    nesting deeper than ``max_depth``, lone surrogates, or a top level that is not an object.
-    """
-    if len(raw) > limits.max_body_bytes:
-        raise body_too_large(limits.max_body_bytes)
-    if not raw.strip():
-        raise bad_request("Request body is empty; expected a JSON object")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise bad_request(f"Request body is not valid UTF-8 (byte {exc.start})") from None
-    try:
-        body = json.loads(text, parse_constant=_reject_constant)
-    except RecursionError:
-        raise bad_request(f"JSON nesting is deeper than {limits.max_depth} levels") from None
-    except ValueError as exc:  # json.JSONDecodeError and rejected constants
-        raise bad_request(f"Request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise bad_request("Request body must be a JSON object")
-    _check_tree(body, limits.max_depth)
-    return body
-
-
-def _check_tree(root: Any, max_depth: int) -> None:
-    """Iteratively bound the depth and refuse strings that cannot be encoded (lone surrogates)."""
-    stack: list[tuple[Any, int]] = [(root, 1)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError:
-                raise bad_request("Request contains an invalid unicode string (lone surrogate)") from None
-            continue
-        if not isinstance(value, (dict, list)):
-            continue
-        if depth > max_depth:
-            raise bad_request(f"JSON nesting is deeper than {max_depth} levels")
-        children = value.values() if isinstance(value, dict) else value
-        if isinstance(value, dict):
-            stack.extend((k, depth) for k in value)
-        stack.extend((child, depth + 1) for child in children)
 
 
 # --------------------------------------------------------------------------- field readers
