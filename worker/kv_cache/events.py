@@ -1,0 +1,27 @@
+"""KV-cache events: what the engine's prefix cache gained or lost, in engine block hashes."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Union
+
+
+@dataclass(slots=True)
+class BlockStored:
+    """These blocks' KV is now written and reusable (emitted after the step that computed it)."""
+
+    block_hashes: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class BlockRemoved:
+    """These blocks were evicted; their hashes name nothing in this engine any more."""
+
+    block_hashes: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class AllBlocksCleared:
+    """The prefix cache was reset: nothing is cached."""
+
+
+KVCacheEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
