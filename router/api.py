@@ -1,0 +1,163 @@
+"""The OpenAI-compatible HTTP surface: /v1/completions, /v1/chat/completions, /v1/models,
+/health, /metrics.
+
+Each inference request is read within the body limit, validated by ``protocol.openai_api``
+(the same rules the workers apply), rendered and hashed (``router/prompt.py``), and handed to
+the proxy. Errors are raised as ``OpenAIError`` anywhere below and turned into OpenAI-shaped
+JSON here, once (see :func:`error_middleware`).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from typing import Awaitable, Callable
+
+from aiohttp import web
+
+from protocol import RenderError
+from protocol.openai_api import OpenAIError, RequestLimits, bad_request, body_too_large, error_body, parse_request
+from protocol.openai_api import model_not_found
+from router.context import RouterContext
+from router.metrics import CONTENT_TYPE
+from router.prompt import prompt_key, session_key_of
+from router.proxy import RETRY_AFTER_S, ProxyRequest
+
+log = logging.getLogger("prefixlb.router.api")
+
+CONTEXT = web.AppKey("context", RouterContext)
+HEADER_AFFINITY = "X-Prefixlb-Affinity"
+FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def json_error(err: OpenAIError) -> web.Response:
+    """An OpenAI-shaped JSON error response."""
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if err.status in (429, 503) else None
+    return web.json_response(err.body(), status=err.status, headers=headers)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Map every failure to an OpenAI-shaped error; nothing reaches the client as a bare 500."""
+    ctx = request.app[CONTEXT]
+    try:
+        response = await handler(request)
+    except OpenAIError as err:
+        response = json_error(err)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        response = web.json_response(error_body(exc.reason, "invalid_request_error"), status=exc.status)
+    except Exception:  # noqa: BLE001 - the one place bugs become a clean 500
+        log.exception("event=handler_crashed path=%s", request.path)
+        response = web.json_response(error_body("Internal router error", "server_error"), status=500)
+    ctx.metrics.responses.labels(str(response.status)).inc()
+    return response
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """The request body, or a 413 as soon as it exceeds ``limit`` bytes."""
+    if request.content_length is not None and request.content_length > limit:
+        raise body_too_large(limit)
+    chunks = []
+    size = 0
+    async for chunk in request.content.iter_chunked(1 << 16):
+        size += len(chunk)
+        if size > limit:
+            raise body_too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_affinity(value: str | None) -> float | None:
+    """The ``X-Prefixlb-Affinity`` override: a number in [0, 1], or None when absent."""
+    if value is None:
+        return None
+    try:
+        affinity = float(value)
+    except ValueError:
+        raise bad_request(f"{HEADER_AFFINITY} must be a number in [0, 1]", HEADER_AFFINITY) from None
+    if not math.isfinite(affinity) or not 0.0 <= affinity <= 1.0:
+        raise bad_request(f"{HEADER_AFFINITY} must be a number in [0, 1]", HEADER_AFFINITY)
+    return affinity
+
+
+def with_include_usage(raw: bytes, body: dict) -> bytes:
+    """The body asking the worker for a usage chunk at the end of a stream."""
+    options = body.get("stream_options")
+    if options is None and raw.rstrip().endswith(b"}"):
+        # Splice instead of re-serialising a possibly huge prompt.
+        end = raw.rstrip()
+        return end[:-1] + b',"stream_options":{"include_usage":true}}'
+    patched = dict(body)
+    patched["stream_options"] = {**(options or {}), "include_usage": True}
+    return json.dumps(patched, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
+    ctx = request.app[CONTEXT]
+    cfg = ctx.config
+    raw = await read_body(request, cfg.max_body_bytes)
+    parsed = parse_request(raw, chat, RequestLimits(max_body_bytes=cfg.max_body_bytes))
+    body = parsed.body
+    served = ctx.registry.models()
+    if served and parsed.model not in served:
+        raise model_not_found(parsed.model, served)
+    session = session_key_of(request.headers, body, cfg.session_headers, cfg.session_fields)
+    try:
+        prompt = prompt_key(body, chat, cfg.chunk_size, cfg.ring_key_chunks, session)
+    except RenderError as exc:
+        raise bad_request(str(exc), exc.param) from None
+    affinity = parse_affinity(request.headers.get(HEADER_AFFINITY))
+    upstream_body = raw
+    if parsed.stream and not parsed.include_usage:
+        upstream_body = with_include_usage(raw, body)
+    headers = {"Content-Type": "application/json"}
+    for name in (*FORWARDED_HEADERS, *cfg.session_headers):
+        value = request.headers.get(name)
+        if value is not None:
+            headers[name] = value
+    preq = ProxyRequest(request.path, upstream_body, prompt, parsed.stream, parsed.include_usage, affinity,
+                        headers, ctx.registry.excluded_for(parsed.model))
+    return await ctx.proxy.handle(request, preq)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/completions``."""
+    return await _inference(request, chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/chat/completions``."""
+    return await _inference(request, chat=True)
+
+
+async def models(request: web.Request) -> web.Response:
+    """``GET /v1/models``: the union of the healthy workers' models."""
+    ctx = request.app[CONTEXT]
+    data = [{"id": m, "object": "model", "created": 0, "owned_by": "prefixlb"} for m in ctx.registry.models()]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def health(request: web.Request) -> web.Response:
+    """``GET /health``: the router is up; says how many workers it can route to."""
+    ctx = request.app[CONTEXT]
+    routable = len(ctx.balancer.routable())
+    return web.json_response({"status": "ok", "routable_workers": routable, "known_workers": len(ctx.registry),
+                              "redis": ctx.state.status() if ctx.state else "disabled"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """``GET /metrics``: Prometheus exposition format."""
+    ctx = request.app[CONTEXT]
+    return web.Response(body=ctx.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+def add_routes(app: web.Application) -> None:
+    """Register the OpenAI and operations routes."""
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)

@@ -1,0 +1,108 @@
+"""RouterConfig: every router setting, read from flags, ``PREFIXLB_ROUTER_*`` env and YAML.
+
+``prefixlb router --help`` lists them all; ``GET /admin/config`` shows them (secrets masked).
+``affinity`` and ``policy`` can also be changed at run time through the admin API, and are then
+shared by all routers through Redis.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from protocol import DEFAULT_CHUNK_SIZE, DEFAULT_PREFIX
+from protocol.settings import load_settings, setting
+from router.load import SpeedProfile
+from router.policy import POLICIES, PolicyConfig
+
+ENV_PREFIX = "PREFIXLB_ROUTER_"
+DEFAULT_AFFINITY = 0.8
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    """The router's settings (flags / env / YAML, one schema)."""
+
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(8000, "port to listen on", minimum=0, maximum=65535)
+    workers: list[str] = setting(list, "worker base URL, e.g. http://127.0.0.1:8001 (repeatable)",
+                                 flag="--worker")
+    policy: str = setting("cache_aware", "routing policy", choices=POLICIES)
+    affinity: float = setting(DEFAULT_AFFINITY, "affinity strength a: 0 = least pending work, 0.5 = "
+                              "plain predicted TTFT, 0.8 = locality weighted 16x, 1 = follow the cache",
+                              minimum=0.0, maximum=1.0)
+    redis: str | None = setting(None, "Redis URL for shared state (none: everything in memory)")
+    redis_prefix: str = setting(DEFAULT_PREFIX, "prefix of every Redis key")
+    admin_token: str | None = setting(None, "bearer token of the /admin/ API (unset: admin API refused)",
+                                      secret=True)
+    k8s_selector: str | None = setting(None, "discover workers as Kubernetes pods with this label selector")
+    k8s_namespace: str = setting("default", "namespace of the worker pods (with --k8s-selector)")
+    k8s_port: int = setting(8000, "port of the worker pods (with --k8s-selector)", minimum=1, maximum=65535)
+    session_headers: list[str] = setting(("x-session-id", "x-user-id"),
+                                         "header carrying a session key (repeatable)", flag="--session-header")
+    session_fields: list[str] = setting(("user", "session_id"),
+                                        "body field carrying a session key (repeatable)", flag="--session-field")
+    chunk_size: int = setting(DEFAULT_CHUNK_SIZE, "bytes per prefix chunk (must match the workers')",
+                              minimum=16, maximum=65536)
+    ring_key_chunks: int = setting(8, "leading chunks that place a new prefix on the ring", minimum=1)
+    index_max_entries: int = setting(200_000, "prefix-index capacity in chunk hashes (LRU beyond)",
+                                     minimum=1)
+    index_optimistic_ttl: float = setting(30.0, "seconds an unconfirmed (optimistic) index entry lives",
+                                          minimum=0.1)
+    index_confirmed_ttl: float = setting(3600.0, "seconds a KV-event-confirmed index entry lives unused",
+                                         minimum=1.0)
+    max_inflight_per_worker: int = setting(0, "hard per-worker in-flight limit (0: twice the worker's "
+                                           "max_num_seqs)", minimum=0)
+    tie_tolerance: float = setting(0.05, "relative cost difference treated as a tie (then the ring "
+                                   "decides)", minimum=0.0, maximum=1.0)
+    attention_knee_tokens: float = setting(32768.0, "context length at which attention costs as much "
+                                           "as the linear prefill work", minimum=1.0)
+    hash_load_factor: float = setting(1.25, "consistent_hash: max load as a multiple of the mean",
+                                      minimum=1.0)
+    ring_candidates: int = setting(3, "ring successors of the key a decision considers", minimum=1)
+    load_candidates: int = setting(2, "least-loaded workers a decision considers", minimum=0)
+    vnodes: int = setting(160, "virtual nodes per worker on the ring", minimum=1)
+    tokens_per_byte: float = setting(0.25, "tokens per rendered byte until learned from the workers",
+                                     minimum=0.001, maximum=4.0)
+    prefill_tokens_per_s: float = setting(4000.0, "worker prefill speed until it reports a measured one",
+                                          minimum=1.0)
+    decode_step_s: float = setting(0.02, "worker decode step time until it reports a measured one",
+                                   minimum=0.0)
+    max_num_seqs: int = setting(64, "worker batch size until it reports its own", minimum=1)
+    feedback_clear_after: int = setting(3, "consecutive cached-token overpredictions that clear a "
+                                        "worker's index entries", minimum=1)
+    health_interval: float = setting(2.0, "seconds between active health checks of a worker", minimum=0.05)
+    health_jitter: float = setting(0.2, "random +- fraction of the health interval", minimum=0.0,
+                                   maximum=0.9)
+    health_timeout: float = setting(2.0, "seconds a health check may take", minimum=0.05)
+    unhealthy_after: int = setting(2, "consecutive failed checks that take a worker out", minimum=1)
+    registry_interval: float = setting(1.0, "seconds between reads of the Redis registry, loads and "
+                                       "config", minimum=0.05)
+    snapshot_interval: float = setting(30.0, "seconds between index snapshots written to Redis",
+                                       minimum=0.5)
+    startup_sync_timeout: float = setting(10.0, "seconds to wait for Redis state before serving anyway",
+                                          minimum=0.0)
+    max_body_bytes: int = setting(16 * 1024 * 1024, "largest request body accepted (413 beyond)",
+                                  minimum=1024)
+    connect_timeout: float = setting(5.0, "seconds to connect to a worker", minimum=0.05)
+    read_timeout: float = setting(600.0, "seconds a worker may stay silent mid-response", minimum=0.1)
+    max_attempts: int = setting(2, "workers tried before the first byte, on connection errors and 5xx",
+                                minimum=1, maximum=10)
+    log_level: str = setting("info", "log level", choices=("debug", "info", "warning", "error"))
+
+    def policy_config(self) -> PolicyConfig:
+        """The policy knobs as the pure policy sees them."""
+        return PolicyConfig(policy=self.policy, affinity=self.affinity, tie_tolerance=self.tie_tolerance,
+                            attention_knee_tokens=self.attention_knee_tokens,
+                            hash_load_factor=self.hash_load_factor, ring_candidates=self.ring_candidates,
+                            load_candidates=self.load_candidates)
+
+    def speed_profile(self) -> SpeedProfile:
+        """The speed assumed for a worker until its reports say otherwise."""
+        return SpeedProfile(prefill_tokens_per_s=self.prefill_tokens_per_s, decode_step_s=self.decode_step_s,
+                            max_num_seqs=self.max_num_seqs)
+
+
+def load_router_config(argv: Sequence[str] | None = None,
+                       environ: Mapping[str, str] | None = None) -> RouterConfig:
+    """RouterConfig from defaults < YAML (``--config``) < ``PREFIXLB_ROUTER_*`` env < flags."""
+    return load_settings(RouterConfig, argv, env_prefix=ENV_PREFIX, environ=environ)

@@ -1,0 +1,193 @@
+"""RouterContext: one router's parts wired together, and their start-up and shutdown order.
+
+Built without I/O (:func:`build_context`); :func:`start` opens connections, synchronises from
+Redis and starts the background tasks *before* the HTTP server listens; :func:`stop` undoes it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from protocol import RedisKeys
+from router.balancer import Balancer
+from router.config import RouterConfig
+from router.health import HealthChecker
+from router.index import PrefixIndex
+from router.load import LoadBoard
+from router.metrics import RouterMetrics
+from router.policy import POLICIES
+from router.proxy import Proxy
+from router.registry import HEALTHY, JOINING, UNHEALTHY, DRAINING, WorkerRegistry
+from router.state import RedisState
+
+log = logging.getLogger("prefixlb.router")
+
+RUNTIME_KEYS = ("affinity", "policy")
+
+
+class ConfigError(ValueError):
+    """A runtime config change that is not valid."""
+
+
+@dataclass(eq=False)
+class RouterContext:
+    """Everything one router process holds."""
+
+    config: RouterConfig
+    balancer: Balancer
+    registry: WorkerRegistry
+    metrics: RouterMetrics
+    proxy: Proxy
+    health: HealthChecker
+    state: RedisState | None = None
+    discovery: Any = None
+
+    def runtime_config(self) -> dict[str, Any]:
+        """The settings that can change at run time, as in force now."""
+        return {"affinity": self.config.affinity, "policy": self.config.policy}
+
+    def apply_runtime(self, values: dict[str, Any]) -> dict[str, Any]:
+        """Validate and apply ``affinity`` / ``policy`` changes; returns the new runtime config."""
+        unknown = sorted(set(values) - set(RUNTIME_KEYS))
+        if unknown:
+            raise ConfigError(f"not changeable at run time: {', '.join(unknown)}")
+        affinity = self.config.affinity
+        policy = self.config.policy
+        if "affinity" in values:
+            try:
+                affinity = float(values["affinity"])
+            except (TypeError, ValueError):
+                raise ConfigError("affinity must be a number in [0, 1]") from None
+            if isinstance(values["affinity"], bool) or not 0.0 <= affinity <= 1.0:
+                raise ConfigError("affinity must be a number in [0, 1]")
+        if "policy" in values:
+            policy = str(values["policy"])
+            if policy not in POLICIES:
+                raise ConfigError(f"policy must be one of {', '.join(POLICIES)}")
+        self.config.affinity = affinity
+        self.config.policy = policy
+        self.balancer.config = dataclasses.replace(self.balancer.config, affinity=affinity, policy=policy)
+        log.info("event=config_applied affinity=%s policy=%s", affinity, policy)
+        return self.runtime_config()
+
+    def _shared_config(self, values: dict[str, str]) -> None:
+        try:
+            self.apply_runtime({k: v for k, v in values.items() if k in RUNTIME_KEYS})
+        except ConfigError as exc:
+            log.warning("event=shared_config_refused error=%s", exc)
+
+    def state_metrics(self) -> Iterable[Any]:
+        """Scrape-time gauges: index, workers, Redis."""
+        index = self.balancer.index
+        yield _gauge("prefixlb_router_index_entries", "Chain hashes in the prefix index", len(index))
+        yield _gauge("prefixlb_router_index_capacity_entries", "Prefix-index capacity", index.max_entries)
+        evicted = CounterMetricFamily("prefixlb_router_index_evictions", "Index entries dropped, by reason",
+                                      labels=["reason"])
+        evicted.add_metric(["lru"], index.stats.evicted_lru)
+        evicted.add_metric(["expired"], index.stats.expired)
+        evicted.add_metric(["removed_event"], index.stats.removed)
+        yield evicted
+        gaps = CounterMetricFamily("prefixlb_router_kv_event_gaps", "Gaps seen in workers' KV-event sequence")
+        gaps.add_metric([], self.balancer.event_gaps)
+        yield gaps
+        states = GaugeMetricFamily("prefixlb_router_workers", "Known workers by state", labels=["state"])
+        counts = {s: 0 for s in (JOINING, HEALTHY, UNHEALTHY, DRAINING)}
+        for w in self.registry.all():
+            counts[w.state] = counts.get(w.state, 0) + 1
+        for state, n in counts.items():
+            states.add_metric([state], n)
+        yield states
+        healthy = GaugeMetricFamily("prefixlb_router_worker_healthy", "1 if the worker takes new requests",
+                                    labels=["worker"])
+        inflight = GaugeMetricFamily("prefixlb_router_worker_inflight_requests",
+                                     "Requests in the worker's system (its report + sent since)", labels=["worker"])
+        pending = GaugeMetricFamily("prefixlb_router_worker_pending_seconds",
+                                    "Predicted seconds of work ahead of a new request", labels=["worker"])
+        now = time.time()
+        for w in self.registry.all():
+            if w.worker_id is None:
+                continue
+            healthy.add_metric([w.worker_id], 1.0 if w.state == HEALTHY else 0.0)
+            load = self.balancer.board.get(w.worker_id)
+            if load is not None:
+                inflight.add_metric([w.worker_id], load.in_system)
+                pending.add_metric([w.worker_id], load.pending_s(now))
+        yield healthy
+        yield inflight
+        yield pending
+        ratio = GaugeMetricFamily("prefixlb_router_tokens_per_byte", "Learned prompt tokens per rendered byte",
+                                  labels=["model"])
+        for model, value in self.balancer.token_ratios().items():
+            ratio.add_metric([model], value)
+        yield ratio
+        yield _gauge("prefixlb_router_affinity", "Affinity strength in force", self.config.affinity)
+        if self.state is not None:
+            yield _gauge("prefixlb_router_redis_up", "1 while every Redis task succeeds",
+                         1.0 if self.state.status() == "up" else 0.0)
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    g = GaugeMetricFamily(name, documentation)
+    g.add_metric([], value)
+    return g
+
+
+def build_context(cfg: RouterConfig) -> RouterContext:
+    """Wire the parts from ``cfg`` (no I/O yet)."""
+    index = PrefixIndex(cfg.index_max_entries, cfg.index_optimistic_ttl, cfg.index_confirmed_ttl)
+    board = LoadBoard(cfg.speed_profile(), max_inflight=cfg.max_inflight_per_worker)
+    balancer = Balancer(cfg.policy_config(), cfg.chunk_size, index, board, cfg.tokens_per_byte,
+                        feedback_clear_after=cfg.feedback_clear_after, vnodes=cfg.vnodes)
+    registry = WorkerRegistry(balancer, cfg.unhealthy_after)
+    metrics = RouterMetrics()
+    proxy = Proxy(balancer, registry, metrics, cfg.connect_timeout, cfg.read_timeout, cfg.max_attempts)
+    health = HealthChecker(registry, cfg.health_interval, cfg.health_jitter, cfg.health_timeout)
+    ctx = RouterContext(cfg, balancer, registry, metrics, proxy, health)
+    if cfg.redis:
+        ctx.state = RedisState(cfg.redis, RedisKeys(cfg.redis_prefix), balancer, registry, metrics,
+                               cfg.registry_interval, cfg.snapshot_interval, ctx._shared_config)
+    metrics.add_state(ctx.state_metrics)
+    for url in cfg.workers:
+        registry.add(url, "flag")
+    return ctx
+
+
+async def start(ctx: RouterContext) -> None:
+    """Open connections, sync from Redis, start probes and discovery (before listening)."""
+    await ctx.proxy.start()
+    if ctx.state is not None:
+        await ctx.state.start(ctx.config.startup_sync_timeout)
+    await ctx.health.start()
+    if ctx.config.k8s_selector:
+        from router import k8s_discovery
+
+        ctx.discovery = k8s_discovery.start(_DiscoverySink(ctx.registry), ctx.config.k8s_selector,
+                                            ctx.config.k8s_namespace, ctx.config.k8s_port)
+
+
+async def stop(ctx: RouterContext) -> None:
+    """Stop everything :func:`start` started."""
+    if ctx.discovery is not None:
+        ctx.discovery.stop()
+    await ctx.health.close()
+    if ctx.state is not None:
+        await ctx.state.close()
+    await ctx.proxy.close()
+
+
+class _DiscoverySink:
+    """Kubernetes discovery's view of the registry (workers it found, by pod name and IP)."""
+
+    def __init__(self, registry: WorkerRegistry) -> None:
+        self.registry = registry
+
+    def add_worker(self, worker_id: str, url: str) -> None:
+        self.registry.add(url, "k8s", worker_id)
+
+    def remove_worker(self, worker_id: str) -> None:
+        self.registry.remove(worker_id)

@@ -1,0 +1,87 @@
+"""RouterMetrics: the router's Prometheus metrics (``GET /metrics``), one registry per app.
+
+Names follow Prometheus conventions: ``prefixlb_router_`` prefix, ``_total`` counters, base
+units in the name (``_seconds``, ``_tokens``). Gauges that describe state (index size, worker
+health) are read at scrape time by a collector, never updated on the request path.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2)
+TOKEN_ERROR_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536)
+LAG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class _StateCollector(Collector):
+    def __init__(self, read: Callable[[], Iterable[GaugeMetricFamily]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        return self._read()
+
+
+class RouterMetrics:
+    """Counters and histograms updated by the request path, plus scrape-time gauges."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("prefixlb_router_requests_total",
+                                "Requests routed, by worker and decision reason", ["worker", "reason"], registry=r)
+        self.responses = Counter("prefixlb_router_responses_total",
+                                 "Responses sent to clients, by HTTP status code", ["code"], registry=r)
+        self.decision_seconds = Histogram("prefixlb_router_decision_seconds",
+                                          "Time to decide a worker (index lookup + policy)",
+                                          buckets=DECISION_BUCKETS, registry=r)
+        self.predicted_cached = Counter("prefixlb_router_predicted_cached_tokens_total",
+                                        "Cached prompt tokens the router predicted", ["worker"], registry=r)
+        self.reported_cached = Counter("prefixlb_router_reported_cached_tokens_total",
+                                       "Cached prompt tokens the workers reported", ["worker"], registry=r)
+        self.prompt_tokens = Counter("prefixlb_router_prompt_tokens_total",
+                                     "Prompt tokens the workers reported", ["worker"], registry=r)
+        self.prediction_error = Histogram("prefixlb_router_cached_tokens_prediction_error_tokens",
+                                          "|predicted - reported| cached tokens per request",
+                                          buckets=TOKEN_ERROR_BUCKETS, registry=r)
+        self.upstream_errors = Counter("prefixlb_router_upstream_errors_total",
+                                       "Failed attempts to a worker before the first byte, by kind",
+                                       ["worker", "kind"], registry=r)
+        self.retries = Counter("prefixlb_router_retries_total", "Requests retried on another worker",
+                               registry=r)
+        self.client_disconnects = Counter("prefixlb_router_client_disconnects_total",
+                                          "Requests whose client went away before the end", registry=r)
+        self.kv_events = Counter("prefixlb_router_kv_events_total", "KV events applied, by kind",
+                                 ["kind"], registry=r)
+        self.kv_event_lag = Histogram("prefixlb_router_kv_event_lag_seconds",
+                                      "Delay from a worker publishing a KV event to this router applying it",
+                                      buckets=LAG_BUCKETS, registry=r)
+        self.redis_errors = Counter("prefixlb_router_redis_errors_total",
+                                    "Redis operations that failed, by task", ["task"], registry=r)
+        self.snapshots = Counter("prefixlb_router_index_snapshots_total",
+                                 "Index snapshots, by operation (write, load)", ["op"], registry=r)
+
+    def add_state(self, read: Callable[[], Iterable[GaugeMetricFamily]]) -> None:
+        """Register a scrape-time reader of state gauges."""
+        self.registry.register(_StateCollector(read))
+
+    def render(self) -> bytes:
+        """The exposition-format text of every metric."""
+        return generate_latest(self.registry)
+
+    def observe_feedback(self, worker_id: str, predicted: int, prompt_tokens: int, cached: int) -> None:
+        """Record a finished request's predicted vs reported cached tokens."""
+        self.predicted_cached.labels(worker_id).inc(predicted)
+        self.reported_cached.labels(worker_id).inc(cached)
+        self.prompt_tokens.labels(worker_id).inc(prompt_tokens)
+        self.prediction_error.observe(abs(predicted - cached))
+
+
+def gauge(name: str, documentation: str, labels: list[str] | None = None) -> GaugeMetricFamily:
+    """A scrape-time gauge family (for :meth:`RouterMetrics.add_state` readers)."""
+    return GaugeMetricFamily(name, documentation, labels=labels)

@@ -1,0 +1,111 @@
+"""UsageTap: pass a worker's SSE stream through event by event, catching its ``usage``.
+
+The router always asks a streaming worker for usage (``stream_options.include_usage``) because
+``usage.prompt_tokens_details.cached_tokens`` is its feedback signal. When the client did not
+ask for usage itself, the tap removes it again: the usage-only chunk (``choices: []``) is
+dropped, and a ``usage`` field riding on a normal chunk is deleted -- so the client sees exactly
+the stream it asked for.
+
+Events are forwarded as soon as they are complete (an SSE event ends with a blank line); only an
+incomplete tail is held back, and workers write whole events, so in practice nothing waits.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+_SEPARATORS = (b"\n\n", b"\r\n\r\n")
+
+
+def _split_events(buffer: bytes) -> tuple[list[bytes], bytes]:
+    """Complete events (each with its terminating blank line) and the incomplete rest."""
+    events: list[bytes] = []
+    start = 0
+    while True:
+        best = -1
+        sep_len = 0
+        for sep in _SEPARATORS:
+            i = buffer.find(sep, start)
+            if i != -1 and (best == -1 or i < best):
+                best, sep_len = i, len(sep)
+        if best == -1:
+            return events, buffer[start:]
+        events.append(buffer[start:best + sep_len])
+        start = best + sep_len
+
+
+def _data_json(event: bytes) -> Any:
+    for line in event.splitlines():
+        if line.startswith(b"data:"):
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                return None
+            try:
+                return json.loads(payload)
+            except ValueError:
+                return None
+    return None
+
+
+def strip_usage(body: dict[str, Any]) -> None:
+    """Remove ``usage`` from a non-streaming response body the client did not ask usage from."""
+    body.pop("usage", None)
+
+
+class UsageTap:
+    """Feed upstream bytes in, get the bytes to forward out; ``usage`` holds the last usage seen."""
+
+    def __init__(self, strip: bool) -> None:
+        self.strip = strip
+        self.usage: dict[str, Any] | None = None
+        self.events = 0
+        self._tail = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        """Bytes to send to the client now (complete events only, usage removed if stripping)."""
+        buffer = self._tail + chunk if self._tail else chunk
+        events, self._tail = _split_events(buffer)
+        if not events:
+            return b""
+        out = []
+        for event in events:
+            self.events += 1
+            if b'"usage"' not in event:
+                out.append(event)
+                continue
+            obj = _data_json(event)
+            usage = obj.get("usage") if isinstance(obj, dict) else None
+            if not isinstance(usage, dict):
+                out.append(event)
+                continue
+            self.usage = usage
+            if not self.strip:
+                out.append(event)
+            elif obj.get("choices"):
+                del obj["usage"]
+                out.append(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
+            # else: the usage-only chunk the client never asked for is dropped
+        return b"".join(out)
+
+    def flush(self) -> bytes:
+        """Whatever incomplete tail is left when the upstream ends (forwarded as is)."""
+        tail, self._tail = self._tail, b""
+        return tail
+
+
+def usage_numbers(usage: dict[str, Any] | None) -> tuple[int, int | None] | None:
+    """``(prompt_tokens, cached_tokens)`` from an OpenAI ``usage`` object.
+
+    None without ``prompt_tokens``; ``cached_tokens`` is None when the backend does not report
+    it (then there is nothing to check a prediction against).
+    """
+    if not isinstance(usage, dict):
+        return None
+    prompt = usage.get("prompt_tokens")
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    if not isinstance(prompt, int) or isinstance(prompt, bool):
+        return None
+    if not isinstance(cached, int) or isinstance(cached, bool):
+        cached = None
+    return prompt, cached

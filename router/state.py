@@ -1,0 +1,279 @@
+"""RedisState: the router's shared state in Redis, kept off the request path.
+
+Background tasks, each tolerant of Redis being slow or gone (errors are counted, logged once per
+outage, and retried with backoff; routing goes on from memory meanwhile):
+
+* **registry** (every ``registry_interval``): self-registered workers (``{p}workers`` +
+  ``{p}worker:{id}``) join the registry, vanished ones leave; their load reports
+  (``{p}load:{id}``) go to the load board; the shared runtime config (``{p}config``) is adopted
+  when another router changed it;
+* **events**: the KV-event stream (``{p}kv_events``) is read with a blocking ``XREAD`` and every
+  event is applied to the index (every router applies every event);
+* **snapshots** (every ``snapshot_interval`` +- 20%): the index is written to
+  ``{p}index_snapshot`` with the stream id it covers.
+
+:meth:`RedisState.start` first synchronises -- snapshot, then the stream from the snapshot's id
+to its end, then the registry -- so that a router started late routes warm from its first
+request (the server only starts listening after it).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from typing import Any, Callable
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from protocol import KVEvent, LoadReport, MessageError, RedisKeys, WorkerInfo
+from router.balancer import Balancer
+from router.metrics import RouterMetrics
+from router.registry import InvalidWorkerURL, WorkerRegistry
+from router.snapshot import SnapshotError, decode, encode
+
+log = logging.getLogger("prefixlb.router.state")
+
+READ_COUNT = 1000
+BACKOFF_S = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
+REDIS_SOURCE = "redis"
+
+
+class RedisState:
+    """Syncs one router's in-memory state with Redis (see the module docstring)."""
+
+    def __init__(self, url: str, keys: RedisKeys, balancer: Balancer, registry: WorkerRegistry,
+                 metrics: RouterMetrics, registry_interval: float = 1.0, snapshot_interval: float = 30.0,
+                 apply_config: Callable[[dict[str, str]], None] | None = None) -> None:
+        self.url = url
+        self.keys = keys
+        self.balancer = balancer
+        self.registry = registry
+        self.metrics = metrics
+        self.registry_interval = registry_interval
+        self.snapshot_interval = snapshot_interval
+        self.apply_config = apply_config
+        self.last_id = "0-0"
+        self.config_version = 0.0
+        self.events_applied = 0
+        self._client: aioredis.Redis | None = None
+        self._stream_client: aioredis.Redis | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._down: set[str] = set()
+
+    # -- lifecycle --------------------------------------------------------------------------
+    async def start(self, sync_timeout: float) -> bool:
+        """Synchronise from Redis (at most ``sync_timeout`` s), then start the background tasks.
+
+        Returns whether the initial sync completed; without it the router serves from memory
+        and the tasks keep trying.
+        """
+        self._client = aioredis.Redis.from_url(self.url, socket_timeout=5.0, socket_connect_timeout=2.0)
+        self._stream_client = aioredis.Redis.from_url(self.url, socket_timeout=10.0, socket_connect_timeout=2.0)
+        synced = False
+        try:
+            await asyncio.wait_for(self.sync(), timeout=sync_timeout)
+            synced = True
+        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+            self.metrics.redis_errors.labels("sync").inc()
+            log.warning("event=redis_sync_failed error=%r serving=from_memory", str(exc)[:200])
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._every(self.registry_interval, self.sync_registry, "registry")),
+                       loop.create_task(self._events_loop()),
+                       loop.create_task(self._snapshot_loop())]
+        return synced
+
+    async def close(self) -> None:
+        """Stop the tasks and close the connections."""
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        for client in (self._client, self._stream_client):
+            if client is not None:
+                with contextlib.suppress(RedisError, OSError):
+                    await client.aclose()
+
+    def status(self) -> str:
+        """``up`` or ``down`` (some task cannot reach Redis)."""
+        return "down" if self._down else "up"
+
+    # -- synchronisation --------------------------------------------------------------------
+    async def sync(self) -> None:
+        """Load the snapshot, replay the stream to its end, read the registry."""
+        await self.load_snapshot()
+        while await self.read_events(block_ms=None):
+            pass
+        await self.sync_registry()
+
+    async def load_snapshot(self) -> bool:
+        """Adopt the latest index snapshot, if any; returns whether one was loaded."""
+        assert self._client is not None
+        data = await self._client.get(self.keys.index_snapshot)
+        if not data:
+            return False
+        try:
+            snap = decode(data)
+        except SnapshotError as exc:
+            log.warning("event=snapshot_unreadable error=%s", exc)
+            return False
+        if snap.chunk_size != self.balancer.chunk_size:
+            log.warning("event=snapshot_ignored reason=chunk_size snapshot=%d ours=%d",
+                        snap.chunk_size, self.balancer.chunk_size)
+            return False
+        # Entries keep the life they had left when the snapshot was taken, minus its age.
+        age = max(0.0, time.time() - snap.taken_at)
+        now = time.time()
+        loaded = self.balancer.index.load_entries(((h, w, ttl - age) for h, w, ttl in snap.entries), now)
+        self.balancer.load_token_ratios(snap.ratios)
+        self.last_id = snap.stream_id
+        self.metrics.snapshots.labels("load").inc()
+        log.info("event=snapshot_loaded entries=%d stream_id=%s age_s=%.1f", loaded, snap.stream_id, age)
+        return True
+
+    async def write_snapshot(self) -> int:
+        """Write the index to Redis; returns the number of entries written."""
+        assert self._client is not None
+        now = time.time()
+        stream_id = self.last_id
+        entries = list(self.balancer.index.entries(now))  # a consistent copy, taken without awaiting
+        data = await asyncio.to_thread(encode, entries, stream_id, now, self.balancer.chunk_size,
+                                       self.balancer.token_ratios())
+        ttl = max(60, int(self.snapshot_interval * 10))
+        await self._client.set(self.keys.index_snapshot, data, ex=ttl)
+        self.metrics.snapshots.labels("write").inc()
+        return len(entries)
+
+    async def read_events(self, block_ms: int | None) -> int:
+        """Apply the next batch of KV events after ``last_id``; returns how many were read."""
+        client = self._stream_client if block_ms else self._client
+        assert client is not None
+        reply = await client.xread({self.keys.kv_events: self.last_id}, count=READ_COUNT, block=block_ms)
+        count = 0
+        now = time.time()
+        for _stream, entries in reply or ():
+            for entry_id, fields in entries:
+                self.last_id = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+                count += 1
+                raw = fields.get(b"e") or fields.get("e")
+                if raw is None:
+                    continue
+                try:
+                    event = KVEvent.from_json(raw)
+                except MessageError as exc:
+                    log.warning("event=kv_event_unreadable id=%s error=%s", self.last_id, exc)
+                    continue
+                if self.balancer.apply_kv_event(event, now):
+                    self.events_applied += 1
+                    self.metrics.kv_events.labels(event.kind).inc()
+                    self.metrics.kv_event_lag.observe(max(0.0, now - event.ts))
+        return count
+
+    async def sync_registry(self) -> None:
+        """Self-registered workers join or leave; load reports and shared config are adopted."""
+        assert self._client is not None
+        client = self._client
+        ids = [i.decode() if isinstance(i, bytes) else str(i) for i in await client.zrange(self.keys.workers, 0, -1)]
+        infos: dict[str, WorkerInfo] = {}
+        reports: list[LoadReport] = []
+        if ids:
+            raw_infos = await client.mget([self.keys.worker(i) for i in ids])
+            raw_loads = await client.mget([self.keys.load(i) for i in ids])
+            for worker_id, raw_info, raw_load in zip(ids, raw_infos, raw_loads):
+                with contextlib.suppress(MessageError):
+                    if raw_info:
+                        infos[worker_id] = WorkerInfo.from_json(raw_info)
+                    if raw_load:
+                        reports.append(LoadReport.from_json(raw_load))
+            gone = [i for i in ids if i not in infos]
+            if gone:
+                await client.zrem(self.keys.workers, *gone)
+        for worker_id, info in infos.items():
+            try:
+                w = self.registry.add(info.url, REDIS_SOURCE, worker_id)
+            except InvalidWorkerURL:
+                log.warning("event=worker_url_refused worker_id=%s url=%r", worker_id, info.url)
+                continue
+            self.registry.note_info(w, info)
+        for w in self.registry.all():
+            if w.source == REDIS_SOURCE and w.worker_id is not None and w.worker_id not in infos:
+                self.registry.remove(w.url)
+        now = time.time()
+        for report in reports:
+            self.balancer.apply_report(report, now)
+        await self.sync_config()
+
+    async def sync_config(self) -> None:
+        """Adopt the shared runtime config if another router changed it since we last looked."""
+        assert self._client is not None
+        raw = await self._client.hgetall(self.keys.config)
+        values = {_text(k): _text(v) for k, v in raw.items()}
+        try:
+            version = float(values.pop("version", "0"))
+        except ValueError:
+            return
+        if version > self.config_version and self.apply_config is not None:
+            self.config_version = version
+            self.apply_config(values)
+
+    async def publish_config(self, values: dict[str, Any]) -> None:
+        """Share runtime config with every router (raises ``RedisError`` if Redis is gone)."""
+        assert self._client is not None
+        version = time.time()
+        await self._client.hset(self.keys.config, mapping={**{k: str(v) for k, v in values.items()},
+                                                             "version": repr(version)})
+        self.config_version = version
+
+    # -- loops ------------------------------------------------------------------------------
+    async def _every(self, interval: float, step: Callable[[], Any], task: str) -> None:
+        failures = 0
+        while True:
+            try:
+                await step()
+                self._recovered(task)
+                failures = 0
+                await asyncio.sleep(interval)
+            except (RedisError, OSError) as exc:
+                self._failed(task, exc)
+                await asyncio.sleep(BACKOFF_S[min(failures, len(BACKOFF_S) - 1)])
+                failures += 1
+
+    async def _events_loop(self) -> None:
+        failures = 0
+        while True:
+            try:
+                await self.read_events(block_ms=1000)
+                self._recovered("events")
+                failures = 0
+            except (RedisError, OSError) as exc:
+                self._failed("events", exc)
+                await asyncio.sleep(BACKOFF_S[min(failures, len(BACKOFF_S) - 1)])
+                failures += 1
+
+    async def _snapshot_loop(self) -> None:
+        rng = random.Random()
+        while True:
+            await asyncio.sleep(self.snapshot_interval * rng.uniform(0.8, 1.2))
+            try:
+                await self.write_snapshot()
+                self._recovered("snapshot")
+            except (RedisError, OSError) as exc:
+                self._failed("snapshot", exc)
+
+    def _failed(self, task: str, exc: BaseException) -> None:
+        self.metrics.redis_errors.labels(task).inc()
+        if task not in self._down:
+            self._down.add(task)
+            log.warning("event=redis_unavailable task=%s error=%r", task, str(exc)[:200])
+
+    def _recovered(self, task: str) -> None:
+        if task in self._down:
+            self._down.discard(task)
+            log.info("event=redis_recovered task=%s", task)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
