@@ -1,0 +1,218 @@
+"""The router's HTTP behaviour against scripted workers: streaming, disconnects, retries, errors, admin.
+
+Each test runs the real router app in-process over loopback HTTP; the workers are scripted
+(``router_harness.ScriptedWorker``) so that every byte's timing is decided by the test.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+
+from router.prompt import prompt_key
+from tests.integration.router_harness import USAGE, running_router, scripted_workers, wait_until
+
+PROMPT = "Summarise the following contract. " * 20
+BODY = {"model": "m", "prompt": PROMPT, "max_tokens": 2}
+ADMIN = {"Authorization": "Bearer s3cret"}
+
+
+async def _ready(ctx, n: int) -> None:
+    await wait_until(lambda: len(ctx.balancer.routable()) == n, what=f"{n} routable workers")
+
+
+def _owner(ctx, body: dict) -> str:
+    """The worker the router will choose first for ``body`` (nothing cached, all idle)."""
+    key = prompt_key(body, False, ctx.config.chunk_size, ctx.config.ring_key_chunks)
+    return ctx.balancer.decide(key, 0.0).worker_id
+
+
+async def _events(resp: aiohttp.ClientResponse) -> list[bytes]:
+    return [e for e in (await resp.read()).split(b"\n\n") if e]
+
+
+async def test_streamed_events_reach_the_client_before_the_worker_has_finished():
+    async with scripted_workers("w1") as (worker,), running_router("--worker", worker.url) as (ctx, url):
+        worker.mode = "gated"
+        await _ready(ctx, 1)
+        async with aiohttp.ClientSession() as http:
+            async with http.post(url + "/v1/completions", json={**BODY, "stream": True}) as resp:
+                assert resp.status == 200
+                assert resp.headers["X-Prefixlb-Worker"] == "w1"
+                first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), timeout=10)
+                assert json.loads(first[6:])["choices"][0]["text"] == "a"
+                assert not worker.gate.is_set()  # the worker is still holding the rest back
+                worker.gate.set()
+                rest = [e for e in (await resp.read()).split(b"\n\n") if e]
+        assert json.loads(rest[0][6:])["choices"][0]["text"] == "b"
+        assert rest[1:] == [b"data: [DONE]"]  # the usage chunk the client did not ask for is gone
+        assert worker.bodies[0]["stream_options"] == {"include_usage": True}  # the router asked for it
+        await wait_until(lambda: ctx.balancer.tokens_per_byte("m") != ctx.config.tokens_per_byte,
+                         what="feedback from the usage chunk")
+        assert ctx.balancer.tokens_per_byte("m") == pytest.approx(40 / len(PROMPT))
+
+
+async def test_a_client_that_asked_for_usage_gets_the_usage_chunk():
+    async with scripted_workers("w1") as (worker,), running_router("--worker", worker.url) as (ctx, url):
+        await _ready(ctx, 1)
+        async with aiohttp.ClientSession() as http:
+            body = {**BODY, "stream": True, "stream_options": {"include_usage": True}}
+            async with http.post(url + "/v1/completions", json=body) as resp:
+                events = await _events(resp)
+        assert json.loads(events[-2][6:]) == {"choices": [], "usage": USAGE}
+
+
+async def test_a_client_disconnect_cancels_the_request_on_the_worker():
+    async with scripted_workers("w1") as (worker,), running_router("--worker", worker.url) as (ctx, url):
+        worker.mode = "gated"
+        await _ready(ctx, 1)
+        http = aiohttp.ClientSession()
+        resp = await http.post(url + "/v1/completions", json={**BODY, "stream": True})
+        await asyncio.wait_for(resp.content.readuntil(b"\n\n"), timeout=10)
+        resp.close()  # drop the connection mid-stream
+        await http.close()
+        await wait_until(worker.disconnected.is_set, what="the worker to see the disconnect")
+        await wait_until(lambda: ctx.balancer.board.get("w1").in_system == 0, what="in-flight released")
+
+
+async def test_a_failing_worker_is_retried_on_another_before_the_first_byte():
+    async with scripted_workers("w1", "w2") as workers, \
+            running_router(*[a for w in workers for a in ("--worker", w.url)]) as (ctx, url):
+        await _ready(ctx, 2)
+        first = _owner(ctx, BODY)
+        failing = next(w for w in workers if w.worker_id == first)
+        other = next(w for w in workers if w.worker_id != first)
+        failing.mode = "error"
+        async with aiohttp.ClientSession() as http:
+            async with http.post(url + "/v1/completions", json=BODY) as resp:
+                assert resp.status == 200
+                assert resp.headers["X-Prefixlb-Worker"] == other.worker_id
+                assert (await resp.json())["usage"] == USAGE
+        assert (len(failing.bodies), len(other.bodies)) == (1, 1)
+
+
+async def test_a_worker_that_went_away_is_retried_on_another_and_then_taken_out():
+    async with scripted_workers("w1", "w2") as workers, \
+            running_router("--health-interval", "60", *[a for w in workers for a in ("--worker", w.url)]) as (ctx, url):
+        await _ready(ctx, 2)
+        first = _owner(ctx, BODY)
+        gone = next(w for w in workers if w.worker_id == first)
+        await gone.server.close()  # connections now refused; the next probe is a minute away
+        async with aiohttp.ClientSession() as http:
+            for _ in range(2):
+                async with http.post(url + "/v1/completions", json=BODY) as resp:
+                    assert resp.status == 200
+                    assert resp.headers["X-Prefixlb-Worker"] != first
+        assert ctx.balancer.routable() == [w.worker_id for w in workers if w is not gone]
+
+
+async def test_non_streaming_answers_carry_the_routing_headers_and_feed_the_metrics():
+    async with scripted_workers("w1") as (worker,), running_router("--worker", worker.url) as (ctx, url):
+        await _ready(ctx, 1)
+        async with aiohttp.ClientSession() as http:
+            async with http.post(url + "/v1/completions", json=BODY) as resp:
+                assert resp.status == 200
+                assert (resp.headers["X-Prefixlb-Worker"], resp.headers["X-Prefixlb-Predicted-Cached-Tokens"],
+                        resp.headers["X-Prefixlb-Route-Reason"]) == ("w1", "0", "ring")
+                assert (await resp.json())["choices"][0]["text"] == "ok"
+            async with http.get(url + "/metrics") as resp:
+                text = await resp.text()
+        assert 'prefixlb_router_requests_total{reason="ring",worker="w1"} 1.0' in text
+        assert 'prefixlb_router_reported_cached_tokens_total{worker="w1"} 32.0' in text
+        assert 'prefixlb_router_worker_healthy{worker="w1"} 1.0' in text
+        assert "prefixlb_router_decision_seconds_count 1.0" in text
+
+
+@pytest.mark.parametrize("body,headers,status,param", [
+    (b"{not json", {}, 400, None),
+    (json.dumps({"model": "m"}).encode(), {}, 400, "prompt"),
+    (json.dumps({**BODY, "model": "other"}).encode(), {}, 404, "model"),
+    (json.dumps(BODY).encode(), {"X-Prefixlb-Affinity": "2"}, 400, "X-Prefixlb-Affinity"),
+    (json.dumps({**BODY, "prompt": "x" * 3000}).encode(), {}, 413, None),
+])
+async def test_bad_requests_get_openai_shaped_4xx_errors(body, headers, status, param):
+    async with scripted_workers("w1") as (worker,), \
+            running_router("--worker", worker.url, "--max-body-bytes", "2048") as (ctx, url):
+        await _ready(ctx, 1)
+        async with aiohttp.ClientSession() as http:
+            async with http.post(url + "/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json", **headers}) as resp:
+                assert resp.status == status
+                error = (await resp.json())["error"]
+        assert error["param"] == param and error["message"] and error["type"]
+        assert worker.bodies == []
+
+
+async def test_without_healthy_workers_requests_get_a_503():
+    async with running_router() as (ctx, url):
+        async with aiohttp.ClientSession() as http:
+            async with http.post(url + "/v1/completions", json=BODY) as resp:
+                assert resp.status == 503
+                assert (await resp.json())["error"]["code"] == "no_workers"
+
+
+async def test_workers_at_their_in_flight_limit_get_a_429_with_retry_after():
+    async with scripted_workers("w1") as (worker,), \
+            running_router("--worker", worker.url, "--max-inflight-per-worker", "1") as (ctx, url):
+        worker.mode = "gated"
+        await _ready(ctx, 1)
+        async with aiohttp.ClientSession() as http:
+            held = await http.post(url + "/v1/completions", json={**BODY, "stream": True})
+            await asyncio.wait_for(held.content.readuntil(b"\n\n"), timeout=10)
+            async with http.post(url + "/v1/completions", json=BODY) as resp:
+                assert resp.status == 429
+                assert resp.headers["Retry-After"] == "1"
+                assert (await resp.json())["error"]["type"] == "rate_limit_error"
+            worker.gate.set()
+            await held.read()
+            held.release()
+
+
+async def test_models_and_health_describe_the_fleet():
+    async with scripted_workers("w1", "w2") as workers, \
+            running_router(*[a for w in workers for a in ("--worker", w.url)]) as (ctx, url):
+        await _ready(ctx, 2)
+        async with aiohttp.ClientSession() as http:
+            async with http.get(url + "/v1/models") as resp:
+                assert [m["id"] for m in (await resp.json())["data"]] == ["m"]
+            async with http.get(url + "/health") as resp:
+                assert await resp.json() == {"status": "ok", "routable_workers": 2, "known_workers": 2,
+                                             "redis": "disabled"}
+
+
+async def test_the_admin_api_needs_the_token_and_manages_workers_and_config():
+    async with scripted_workers("w1", "w2") as (w1, w2), \
+            running_router("--worker", w1.url, "--admin-token", "s3cret") as (ctx, url):
+        await _ready(ctx, 1)
+        async with aiohttp.ClientSession() as http:
+            async with http.get(url + "/admin/workers") as resp:
+                assert resp.status == 401
+            async with http.get(url + "/admin/workers", headers={"Authorization": "Bearer nope"}) as resp:
+                assert resp.status == 403
+            async with http.post(url + "/admin/workers", json={"url": "ftp://x"}, headers=ADMIN) as resp:
+                assert resp.status == 400
+            async with http.post(url + "/admin/workers", json={"url": w2.url}, headers=ADMIN) as resp:
+                assert resp.status == 201
+            await _ready(ctx, 2)
+            async with http.get(url + "/admin/workers", headers=ADMIN) as resp:
+                listed = {w["worker_id"]: w["state"] for w in (await resp.json())["workers"]}
+            assert listed == {"w1": "healthy", "w2": "healthy"}
+            async with http.post(url + "/admin/workers/w1/drain", headers=ADMIN) as resp:
+                assert resp.status == 200
+            assert ctx.balancer.routable() == ["w2"]
+            async with http.delete(url + "/admin/workers/w2", headers=ADMIN) as resp:
+                assert resp.status == 200
+            async with http.delete(url + "/admin/workers/w2", headers=ADMIN) as resp:
+                assert resp.status == 404
+            async with http.put(url + "/admin/config", json={"affinity": 0.3, "policy": "least_load"},
+                                headers=ADMIN) as resp:
+                assert await resp.json() == {"runtime": {"affinity": 0.3, "policy": "least_load"}, "shared": False}
+            async with http.put(url + "/admin/config", json={"affinity": 3}, headers=ADMIN) as resp:
+                assert resp.status == 400
+            async with http.get(url + "/admin/config", headers=ADMIN) as resp:
+                cfg = await resp.json()
+        assert cfg["runtime"] == {"affinity": 0.3, "policy": "least_load"}
+        assert cfg["settings"]["admin_token"] == "***"
+        assert ctx.balancer.config.policy == "least_load"

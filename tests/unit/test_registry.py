@@ -1,0 +1,87 @@
+"""WorkerRegistry: health states, identities and models, kept in step with the balancer."""
+from __future__ import annotations
+
+import pytest
+
+from protocol import LoadReport, WorkerInfo
+from router.balancer import Balancer
+from router.registry import DRAINING, HEALTHY, JOINING, UNHEALTHY, InvalidWorkerURL, WorkerRegistry
+
+
+def registry() -> WorkerRegistry:
+    return WorkerRegistry(Balancer(), unhealthy_after=2)
+
+
+def test_a_worker_is_routable_only_after_its_first_good_probe():
+    reg = registry()
+    w = reg.add("http://127.0.0.1:9001/", "flag")
+    assert (w.url, w.state, reg.balancer.routable()) == ("http://127.0.0.1:9001", JOINING, [])
+    reg.mark_ok(w, now=1.0, report=LoadReport("w1", block_size=32, max_num_seqs=8), models=("tiny",))
+    assert (w.worker_id, w.state, reg.balancer.routable()) == ("w1", HEALTHY, ["w1"])
+    assert reg.balancer.board.get("w1").block_size == 32
+    assert reg.models() == ["tiny"]
+
+
+def test_consecutive_failures_take_a_worker_out_and_a_good_probe_brings_it_back():
+    reg = registry()
+    w = reg.add("http://127.0.0.1:9001", "flag")
+    reg.mark_ok(w, now=1.0, report=LoadReport("w1"))
+    reg.mark_failed(w, "timeout")
+    assert w.state == HEALTHY  # one transient error is not enough
+    reg.mark_failed(w, "timeout")
+    assert (w.state, reg.balancer.routable()) == (UNHEALTHY, [])
+    reg.mark_ok(w, now=2.0, report=LoadReport("w1"))
+    assert (w.state, reg.balancer.routable()) == (HEALTHY, ["w1"])
+
+
+def test_a_draining_worker_gets_no_new_work_whatever_its_probes_say():
+    reg = registry()
+    w = reg.add("http://127.0.0.1:9001", "flag")
+    reg.mark_ok(w, now=1.0, report=LoadReport("w1"))
+    reg.drain("w1")
+    reg.mark_ok(w, now=2.0, report=LoadReport("w1"))
+    assert (w.state, reg.balancer.routable()) == (DRAINING, [])
+
+
+def test_a_worker_reporting_draining_status_is_drained():
+    reg = registry()
+    w = reg.add("http://127.0.0.1:9001", "redis", "w1")
+    reg.note_info(w, WorkerInfo("w1", "http://127.0.0.1:9001", "tiny", status="draining"))
+    assert w.state == DRAINING
+
+
+def test_one_worker_known_under_two_urls_is_kept_once():
+    reg = registry()
+    a = reg.add("http://127.0.0.1:9001", "flag")
+    b = reg.add("http://localhost:9001", "admin")
+    reg.mark_ok(a, now=1.0, report=LoadReport("w1"))
+    reg.mark_ok(b, now=1.0, report=LoadReport("w1"))
+    assert [w.url for w in reg.all()] == ["http://127.0.0.1:9001"]
+    assert reg.add("http://10.0.0.1:9001", "redis", "w1") is a
+
+
+def test_removing_a_worker_forgets_its_index_entries_and_load():
+    reg = registry()
+    w = reg.add("http://127.0.0.1:9001", "flag")
+    reg.mark_ok(w, now=1.0, report=LoadReport("w1"))
+    reg.balancer.index.insert([1, 2], "w1", now=1.0, confirmed=True)
+    assert reg.remove("w1") is w
+    assert reg.balancer.index.match([1, 2], now=2.0) == {}
+    assert "w1" not in reg.balancer.board
+    assert reg.remove("w1") is None
+
+
+def test_workers_that_do_not_serve_a_model_are_excluded_for_it():
+    reg = registry()
+    a, b = reg.add("http://127.0.0.1:9001", "flag"), reg.add("http://127.0.0.1:9002", "flag")
+    reg.mark_ok(a, now=1.0, report=LoadReport("wa"), models=("tiny",))
+    reg.mark_ok(b, now=1.0, report=LoadReport("wb"), models=("small",))
+    assert reg.excluded_for("tiny") == {"wb"}
+    assert reg.excluded_for("small") == {"wa"}
+    assert reg.models() == ["small", "tiny"]
+
+
+@pytest.mark.parametrize("url", ["ftp://host:21", "file:///etc/passwd", "127.0.0.1:9001", "http://", 42])
+def test_only_http_urls_are_accepted_as_workers(url):
+    with pytest.raises(InvalidWorkerURL):
+        registry().add(url, "admin")
