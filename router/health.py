@@ -44,10 +44,13 @@ class HealthChecker:
         registry.on_removed.append(self._stop)
 
     async def start(self) -> None:
-        """Open the probe session and start probing every worker already known."""
+        """Probe every worker already known once (so the router routes from its first request),
+        then keep probing each in the background."""
         self._session = aiohttp.ClientSession(timeout=self.timeout)
-        for w in self.registry.all():
-            self._start(w)
+        known = self.registry.all()
+        await asyncio.gather(*(self.probe(w) for w in known))
+        for w in known:
+            self._start(w, first_delay=True)
 
     async def close(self) -> None:
         """Stop every probe loop and close the session."""
@@ -100,22 +103,27 @@ class HealthChecker:
                     return tuple(m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str))
         return None
 
-    def _start(self, w: Worker) -> None:
+    def _start(self, w: Worker, first_delay: bool = False) -> None:
         if self._session is None or id(w) in self._tasks:
             return
-        self._tasks[id(w)] = asyncio.get_running_loop().create_task(self._loop(w), name=f"probe {w.url}")
+        self._tasks[id(w)] = asyncio.get_running_loop().create_task(self._loop(w, first_delay),
+                                                                    name=f"probe {w.url}")
 
     def _stop(self, w: Worker) -> None:
         task = self._tasks.pop(id(w), None)
         if task is not None and task is not asyncio.current_task():
             task.cancel()
 
-    async def _loop(self, w: Worker) -> None:
+    async def _loop(self, w: Worker, first_delay: bool) -> None:
+        if first_delay:
+            await asyncio.sleep(self._delay())
         while self.registry.get(w.url) is w:
             try:
                 await self.probe(w)
             except Exception:  # noqa: BLE001 - a bug in one probe must not end the loop
                 log.exception("event=probe_crashed url=%s", w.url)
-            delay = self.interval * (1.0 + self._rng.uniform(-self.jitter, self.jitter))
-            await asyncio.sleep(delay)
+            await asyncio.sleep(self._delay())
         self._tasks.pop(id(w), None)
+
+    def _delay(self) -> float:
+        return self.interval * (1.0 + self._rng.uniform(-self.jitter, self.jitter))
