@@ -51,3 +51,17 @@ class SlotMemoryRunner:
                 assert None not in context, f"{s.request_id} read an unwritten slot"
                 out.sampled_token_ids[s.request_id] = next_token(context)  # type: ignore[arg-type]
         return out
+
+
+class ScriptedRunner:
+    """A ModelRunner that 'samples' each request's next token from a script (test-chosen text)."""
+
+    def __init__(self, scripts: dict[str, list[int]]) -> None:
+        self.scripts = scripts
+
+    def execute(self, batch: ScheduledBatch) -> RunnerOutput:
+        out = RunnerOutput()
+        for s in batch.seqs:
+            if s.samples:
+                out.sampled_token_ids[s.request_id] = self.scripts[s.request_id][s.num_output_tokens]
+        return out

@@ -176,12 +176,15 @@ class AsyncLLMEngine:
                         for rid in exc.request_ids:
                             self._call(self._deliver, rid, exc)
                         outputs = []
-                    if outputs:
-                        self._call(self._deliver_outputs, outputs)
+                else:
+                    outputs = []
+                # Snapshot first, so a consumer that sees its final output also sees its effect.
+                self._stats = engine.stats()
+                if outputs:
+                    self._call(self._deliver_outputs, outputs)
                 events = engine.take_kv_events()
                 if events and self._listeners:
                     self._call(self._emit_events, events)
-                self._stats = engine.stats()
                 if not engine.has_unfinished_requests() and not self._commands:
                     self._wakeup.wait(1.0)
         except BaseException as exc:  # a bug in the engine itself: fail everyone, loudly
