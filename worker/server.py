@@ -55,7 +55,7 @@ def build_engine(cfg: WorkerConfig) -> BuiltEngine:
 
         engine, runner = build_simulated_engine(
             cfg.gpu, cfg.sim_model, tp=cfg.sim_tp, time_scale=cfg.time_scale,
-            block_size=cfg.block_size, num_kv_blocks=cfg.kv_blocks,
+            block_size=cfg.block_size, num_kv_blocks=cfg.kv_blocks, kv_memory_bytes=cfg.kv_memory_bytes,
             max_num_seqs=cfg.max_num_seqs or SIM_DEFAULT_MAX_NUM_SEQS,
             max_num_batched_tokens=cfg.max_num_batched_tokens or SIM_DEFAULT_MAX_BATCHED_TOKENS,
             max_model_len=cfg.max_model_len, output_len=cfg.sim_output_len, seed=cfg.seed)

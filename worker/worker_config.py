@@ -43,7 +43,7 @@ class WorkerConfig:
     port: int = setting(8001, "port to listen on", minimum=0, maximum=65535)
     served_model_name: str | None = setting(None, "model name clients use (default: the preset or directory name)")
     kv_blocks: int | None = setting(None, "number of KV-cache blocks (wins over --kv-memory)", minimum=1)
-    kv_memory: str | None = setting(None, "KV-cache size, e.g. 512MiB (real engine)")
+    kv_memory: str | None = setting(None, "KV-cache size, e.g. 512MiB (simulated: per GPU)")
     block_size: int = setting(16, "tokens per KV block", minimum=1, maximum=1024)
     max_num_seqs: int | None = setting(None, "most sequences in one batch (default 32; simulated 256)", minimum=1)
     max_num_batched_tokens: int | None = setting(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 
 from tests.integration.worker_client import call, is_openai_error
 from tests.support import free_port, processes, spawn
+from worker.simulator.runner import SIM_TEXT
 
 MODEL = "m"
 MAX_LEN = 512
@@ -20,7 +22,9 @@ MAX_LEN = 512
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory):
     port = free_port()
-    args = ["worker", "--simulate", "--served-model-name", MODEL, "--time-scale", "1000",
+    # Time scale 5: a decode step takes ~1.5 ms, so a long stream is still running while the
+    # bad requests of a test arrive.
+    args = ["worker", "--simulate", "--served-model-name", MODEL, "--time-scale", "5",
             "--kv-blocks", "256", "--max-model-len", str(MAX_LEN), "--sim-output-len", "8",
             "--max-body-bytes", "65536", "--body-timeout", "1", "--port", str(port)]
     with processes() as procs:
@@ -171,6 +175,27 @@ def test_fuzzed_bodies_never_get_a_5xx(worker, data, chat):
         assert is_openai_error(reply), reply.raw
     elif not body.get("stream"):
         assert reply.json["usage"]["prompt_tokens"] > 0
+
+
+def test_bad_requests_do_not_disturb_a_request_in_flight(worker):
+    result: dict = {}
+
+    def stream():
+        result["reply"] = _post(worker, "/v1/completions", {"model": MODEL, "prompt": "steady", "max_tokens": 400,
+                                                           "ignore_eos": True, "stream": True}, timeout=60)
+
+    t = threading.Thread(target=stream)
+    t.start()
+    bad = [b"{", b'{"model": "m", "prompt": [-1]}', b'{"model": "m", "prompt": "x", "n": 0}', b"\xff"]
+    statuses = {_post(worker, "/v1/completions", raw=bad[i % len(bad)]).status for i in range(40)}
+    alive = t.is_alive()
+    t.join(60)
+    assert statuses == {400}
+    assert alive, "the stream finished before the bad requests were sent; the test proves nothing"
+    events = result["reply"].sse()
+    assert events[-1] == "[DONE]"
+    text = "".join(e["choices"][0]["text"] for e in events[:-1])
+    assert text == (SIM_TEXT * 4)[:400].decode()
 
 
 def test_the_worker_still_serves_after_all_of_the_above(worker):

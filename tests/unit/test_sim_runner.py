@@ -45,8 +45,9 @@ def test_a_batch_becomes_the_latency_models_step_shape(runner):
     assert runner.shape(batch) == expected
 
 
-def test_tokens_follow_the_fixed_text_then_eos(runner):
+def test_tokens_follow_the_fixed_text_then_eos_unless_ignored(runner):
     assert [runner.token_for(i) for i in range(8)] == [*SIM_TEXT[:7], 257]
+    assert [runner.token_for(i, ignore_eos=True) for i in range(9)] == list(SIM_TEXT[:9])
 
 
 def test_only_sampling_sequences_get_a_token_and_logprobs_put_all_mass_on_it(runner):
@@ -84,6 +85,9 @@ def test_simulated_engine_takes_capacity_from_the_profile_unless_overridden():
     assert engine.max_model_len == 131_072
     small, _ = build_simulated_engine("H100-80G", "llama-3-8b", num_kv_blocks=100)
     assert small.num_kv_blocks == 100
+    # 1 GiB of KV per GPU at 128 KiB per token = 8,192 tokens = 512 blocks.
+    gib, _ = build_simulated_engine("H100-80G", "llama-3-8b", kv_memory_bytes=2**30)
+    assert gib.num_kv_blocks == 512
     seventy, r70 = build_simulated_engine("H200", "llama-3-70b")
     assert r70.latency.tp == 2
 

@@ -3,8 +3,8 @@
 The engine keeps everything real — scheduler, continuous batching, BlockPool, prefix cache,
 preemption — and only ``execute`` is simulated: it sums the step's work into a
 :class:`~worker.simulator.latency.StepShape`, sleeps the modelled duration divided by the time
-scale, and returns deterministic tokens (a fixed text, then EOS after ``output_len`` tokens,
-which ``ignore_eos`` and ``max_tokens`` override as usual).
+scale, and returns deterministic tokens (a fixed text, then EOS after ``output_len`` tokens unless the request
+ignores EOS; ``max_tokens`` applies as usual).
 
 Sleeps are scheduled on a virtual clock: each step ends ``duration / time_scale`` after the
 previous step's end, not after "now", so per-step Python overhead and sleep overshoot do not
@@ -72,9 +72,13 @@ class SimulatedRunner:
                 shape.add_decode(s.context_len)
         return shape
 
-    def token_for(self, output_index: int) -> int:
-        """The deterministic token at output position ``output_index`` (EOS at ``output_len - 1``)."""
-        if output_index >= self.output_len - 1:
+    def token_for(self, output_index: int, ignore_eos: bool = False) -> int:
+        """The deterministic token at output position ``output_index``.
+
+        EOS at ``output_len - 1`` unless the request ignores EOS (then the text goes on, as a
+        model asked to ignore EOS would be made to).
+        """
+        if output_index >= self.output_len - 1 and not ignore_eos:
             return self.eos_token_id
         return SIM_TEXT[output_index % len(SIM_TEXT)]
 
@@ -86,7 +90,7 @@ class SimulatedRunner:
         for s in batch.seqs:
             if not s.samples:
                 continue
-            token = self.token_for(s.num_output_tokens)
+            token = self.token_for(s.num_output_tokens, s.sampling_params.ignore_eos)
             out.sampled_token_ids[s.request_id] = token
             k = s.sampling_params.logprobs
             if k is not None:
@@ -98,16 +102,21 @@ class SimulatedRunner:
 
 def build_simulated_engine(gpu: str, model: str, *, tp: int | None = None, time_scale: float = 1.0,
                            block_size: int = 16, num_kv_blocks: int | None = None,
+                           kv_memory_bytes: int | None = None,
                            max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                            max_model_len: int | None = None, output_len: int = 256,
                            seed: int = 0) -> tuple[LLMEngine, SimulatedRunner]:
     """An LLMEngine on a simulated ``model`` over ``tp`` x ``gpu`` (profile names).
 
-    KV capacity is the latency model's unless ``num_kv_blocks`` overrides it. The engine reports
+    KV capacity is the latency model's unless ``num_kv_blocks`` (or ``kv_memory_bytes`` of KV
+    cache per GPU) overrides it. The engine reports
     the profile's nominal speed (scaled by ``time_scale``) until it has measured its own steps.
     """
     latency = LatencyModel(get_gpu(gpu), get_model(model), tp=tp)
     blocks = num_kv_blocks or latency.kv_capacity_blocks(block_size)
+    if kv_memory_bytes and not num_kv_blocks:
+        per_gpu_token = latency.model.kv_bytes_per_token / latency.tp
+        blocks = int(kv_memory_bytes // per_gpu_token) // block_size
     prefill_tps, decode_s = latency.nominal_speed()
     config = EngineConfig(
         model=None, block_size=block_size, num_kv_blocks=blocks, max_num_seqs=max_num_seqs,
