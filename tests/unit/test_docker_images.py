@@ -1,0 +1,219 @@
+"""The container images (docker/): linted, non-root, health-checked, pinned, and slim.
+
+There is no Docker engine here, so the images are not built; instead the Dockerfiles are parsed
+with the official BuildKit parser (``dockerfile``), linted with hadolint, and their contents are
+checked against the code: the router image carries every distribution the router imports and
+no torch; the health-check script is run against real HTTP servers.
+"""
+from __future__ import annotations
+
+import fnmatch
+import http.server
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import dockerfile
+import pytest
+
+from tests.support import ROOT, free_port
+
+DOCKER = ROOT / "docker"
+IMAGES = ("router", "worker")
+PINNED_TAG = re.compile(r"^[\w./-]+:\d+(\.\d+)+[\w.-]*$")  # e.g. python:3.12.12-slim-bookworm
+# Imported only when installed (``try: import ... except ImportError``), and not installed in the
+# images: the kubernetes client's dynamic module uses kubernetes-validate if it finds it (our tests
+# install it).
+OPTIONAL_IMPORTS = frozenset({"kubernetes_validate"})
+PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([0-9][\w.+!-]*)$")
+
+
+def _parse(image: str) -> list[dockerfile.Command]:
+    return list(dockerfile.parse_file(str(DOCKER / f"Dockerfile.{image}")))
+
+
+def _final_stage(commands: list[dockerfile.Command]) -> list[dockerfile.Command]:
+    last_from = max(i for i, c in enumerate(commands) if c.cmd == "FROM")
+    return commands[last_from:]
+
+
+def _arg_defaults(commands: list[dockerfile.Command]) -> dict[str, str]:
+    out = {}
+    for c in commands:
+        if c.cmd == "ARG" and "=" in c.value[0]:
+            name, value = c.value[0].split("=", 1)
+            out[name] = value
+    return out
+
+
+def _requirements(image: str) -> dict[str, str]:
+    pins = {}
+    for line in (DOCKER / f"requirements-{image}.txt").read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = PIN.match(line)
+        assert m, f"requirements-{image}.txt: {line!r} is not pinned with =="
+        pins[_normalize(m.group(1))] = m.group(2)
+    return pins
+
+
+def _normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+@pytest.mark.parametrize("image", IMAGES)
+def test_dockerfile_passes_hadolint(image):
+    hadolint = Path(sys.executable).parent / "hadolint"
+    proc = subprocess.run([str(hadolint), "--no-color", str(DOCKER / f"Dockerfile.{image}")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("image", IMAGES)
+def test_image_runs_its_command_as_a_non_root_user_with_a_health_check(image):
+    final = _final_stage(_parse(image))
+    users = [c.value[0] for c in final if c.cmd == "USER"]
+    assert users and users[-1].split(":")[0] not in ("0", "root")
+    assert int(users[-1].split(":")[0]) >= 1000
+    entrypoint = [c for c in final if c.cmd == "ENTRYPOINT"][-1]
+    assert entrypoint.json and list(entrypoint.value) == ["prefixlb", image]
+    healthcheck = [c for c in final if c.cmd == "HEALTHCHECK"][-1]
+    assert healthcheck.json and healthcheck.value[0] == "CMD"
+    assert healthcheck.value[-1] == "/opt/prefixlb/healthcheck.py"
+    env = {}
+    for c in final:
+        if c.cmd == "ENV":
+            env.update(zip(c.value[::2], c.value[1::2]))
+    exposed = [c.value[0] for c in final if c.cmd == "EXPOSE"]
+    # The port the server listens on (its env setting) is the one exposed and health-checked.
+    assert exposed == [env[f"PREFIXLB_{image.upper()}_PORT"]]
+    assert env[f"PREFIXLB_{image.upper()}_HOST"] == "0.0.0.0"
+    assert env["PYTHONDONTWRITEBYTECODE"] == "1"  # read-only root filesystem friendly
+
+
+@pytest.mark.parametrize("image", IMAGES)
+def test_base_images_and_torch_are_pinned_to_exact_versions(image):
+    commands = _parse(image)
+    args = _arg_defaults(commands)
+    for c in commands:
+        if c.cmd != "FROM":
+            continue
+        ref = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], c.value[0])
+        assert PINNED_TAG.match(ref), f"FROM {ref} is not pinned to a version"
+    if image == "worker":
+        assert re.fullmatch(r"\d+\.\d+\.\d+", args["TORCH_VERSION"])
+    assert _requirements(image)  # every line pinned (checked while parsing)
+
+
+def test_router_image_installs_no_torch_and_copies_no_worker_code():
+    pins = _requirements("router")
+    assert not {"torch", "triton", "numpy", "safetensors", "tokenizers"} & set(pins)
+    copied = {c.value[0] for c in _parse("router") if c.cmd == "COPY" and not c.flags}
+    assert "worker" not in copied and "kernels" not in copied and "bench" not in copied
+
+
+def _dockerignore_allows(patterns: list[str], path: str) -> bool:
+    """Docker's rule: the last pattern that matches a path (or a parent of it) decides."""
+    allowed = True
+    parts = path.split("/")
+    for pattern in patterns:
+        negate = pattern.startswith("!")
+        pat = pattern[1:] if negate else pattern
+        prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+        if any(fnmatch.fnmatchcase(p, pat) for p in prefixes):
+            allowed = negate
+    return allowed
+
+
+@pytest.mark.parametrize("image", IMAGES)
+def test_every_copied_path_exists_and_is_in_the_build_context(image):
+    ignore = [line.strip() for line in (DOCKER / f"Dockerfile.{image}.dockerignore").read_text().splitlines()
+              if line.strip() and not line.startswith("#")]
+    assert not _dockerignore_allows(ignore, ".venv/bin/python")
+    assert not _dockerignore_allows(ignore, ".git/HEAD")
+    for c in _parse(image):
+        if c.cmd != "COPY" or any(f.startswith("--from") for f in c.flags):
+            continue
+        for src in c.value[:-1]:
+            assert (ROOT / src).exists(), f"COPY {src}: no such path"
+            assert _dockerignore_allows(ignore, src), f"COPY {src}: excluded by the .dockerignore"
+    assert not _dockerignore_allows(ignore, "router/__pycache__/app.cpython-312.pyc")
+
+
+def _imported_distributions(modules: list[str]) -> set[str]:
+    """Distributions (normalized names) a fresh interpreter loads when importing ``modules``."""
+    code = (
+        "import sys, importlib, importlib.metadata as md\n"
+        "at_startup = set(sys.modules)  # site hooks (.pth files) are not the code's imports\n"
+        f"for m in {sorted(OPTIONAL_IMPORTS)!r}: sys.modules[m] = None  # absent in the images\n"
+        f"for m in {modules!r}: importlib.import_module(m)\n"
+        "dists = md.packages_distributions()\n"
+        "ours = {'prefixlb', 'router', 'worker', 'protocol', 'kernels', 'bench', 'tests'}\n"
+        "loaded = {n for n, mod in sys.modules.items() if mod is not None}\n"
+        "tops = {n.split('.')[0] for n in loaded - at_startup} - ours - set(sys.stdlib_module_names)\n"
+        "print('\\n'.join(sorted({d for t in tops for d in dists.get(t, [])})))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {_normalize(line) for line in proc.stdout.split()}
+
+
+def test_router_image_pins_every_distribution_the_router_imports():
+    # router.k8s_discovery imports the kubernetes client only with --k8s-selector: import it too.
+    used = _imported_distributions(["prefixlb.cli", "prefixlb.commands.router", "router.app",
+                                    "router.k8s_discovery", "kubernetes.client", "kubernetes.watch"])
+    assert "torch" not in used, "the router imports torch: the slim image could not run it"
+    missing = sorted(used - set(_requirements("router")))
+    assert missing == [], f"imported by the router but not in docker/requirements-router.txt: {missing}"
+
+
+def test_worker_image_pins_every_distribution_the_worker_imports():
+    used = _imported_distributions(["prefixlb.cli", "prefixlb.commands.worker", "worker.server",
+                                    "worker.simulator.runner"])
+    provided = set(_requirements("worker")) | {"torch", "triton"}  # torch from TORCH_INDEX_URL
+    missing = sorted(used - provided)
+    assert missing == [], f"imported by the worker but not in docker/requirements-worker.txt: {missing}"
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 - the stdlib's name
+        code = 200 if self.path == "/health" and self.server.healthy else 503  # type: ignore[attr-defined]
+        self.send_response(code)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def health_server():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), _Health)
+    server.healthy = True  # type: ignore[attr-defined]
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def _healthcheck(env: dict[str, str]) -> int:
+    return subprocess.run([sys.executable, str(DOCKER / "healthcheck.py")], env=env,
+                          capture_output=True, timeout=30).returncode
+
+
+def test_healthcheck_is_healthy_when_the_server_answers_health_with_200(health_server):
+    port = str(health_server.server_address[1])
+    assert _healthcheck({"PREFIXLB_ROUTER_PORT": port}) == 0
+    assert _healthcheck({"PREFIXLB_WORKER_PORT": port}) == 0
+
+
+def test_healthcheck_is_unhealthy_while_the_server_answers_503_as_a_draining_worker_does(health_server):
+    health_server.healthy = False
+    assert _healthcheck({"PREFIXLB_WORKER_PORT": str(health_server.server_address[1])}) == 1
+
+
+def test_healthcheck_is_unhealthy_when_nothing_listens():
+    assert _healthcheck({"PREFIXLB_ROUTER_PORT": str(free_port())}) == 1
