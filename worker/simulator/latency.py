@@ -99,6 +99,16 @@ class LatencyModel:
         self._flops_per_s = self.tp * self.gpu.peak_flops * ce
         self._bytes_per_s = self.tp * self.gpu.hbm_bandwidth * be
 
+    @property
+    def flops_per_s(self) -> float:
+        """Effective compute of the replica: ``tp · peak · compute efficiency``."""
+        return self._flops_per_s
+
+    @property
+    def bytes_per_s(self) -> float:
+        """Effective HBM bandwidth of the replica: ``tp · bandwidth · bandwidth efficiency``."""
+        return self._bytes_per_s
+
     def _kv_bytes_free(self, tp: int) -> float:
         """Bytes left for KV cache on each GPU at tensor-parallel degree ``tp``."""
         usable = self.gpu.hbm_bytes * self.memory_utilization
