@@ -70,6 +70,8 @@ whole numbers are printed as integers.
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--k8s-port" "value" (int .Values.worker.port)) -}}
 {{- else if ne .Values.discovery.mode "redis" -}}
 {{- fail (printf "discovery.mode must be redis, kubernetes or static, not %q" .Values.discovery.mode) -}}
+{{- else if not (include "prefixlb.hasRedis" .) -}}
+{{- fail "discovery.mode=redis needs a Redis: set redis.enabled=true, redis.url or redis.existingSecret, or use discovery.mode=static or kubernetes" -}}
 {{- end -}}
 {{- range $r.extraWorkers -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--worker" "value" .) -}}
