@@ -124,6 +124,9 @@ def test_vllm_tokenize_and_render_probes_return_the_byte_tokens(sim):
     assert (tok["tokens"], tok["count"]) == ([256, 97, 98, 99], 4)
     assert call(sim + "/tokenize", "POST", {"prompt": "abc", "add_special_tokens": False}).json["tokens"] == [97, 98, 99]
     assert call(sim + "/detokenize", "POST", {"tokens": [97, 98, 99]}).json == {"prompt": "abc"}
+    chat_tok = call(sim + "/tokenize", "POST", {"messages": [{"role": "user", "content": "x"}]}).json
+    assert chat_tok["tokens"] == [256, *b"<|user|>\nx<|end|>\n<|assistant|>\n"]
+    assert call(sim + "/tokenize", "POST", {"model": "nope", "prompt": "x"}).status == 404
     rendered = call(sim + "/v1/completions/render", "POST", {"model": MODEL, "prompt": "abc"}).json
     assert rendered[0]["token_ids"] == [256, 97, 98, 99]
     chat = call(sim + "/v1/chat/completions/render", "POST",

@@ -15,8 +15,8 @@ from dataclasses import asdict
 
 from aiohttp import web
 
-from protocol.openai_api import (SERVICE_UNAVAILABLE, OpenAIError, bad_request, error_body,
-                                 parse_chat_request, parse_completion_request)
+from protocol.openai_api import (SERVICE_UNAVAILABLE, ChatCompletionRequest, OpenAIError, bad_request,
+                                 error_body, model_not_found, parse_chat_request, parse_completion_request)
 from worker.api.body import read_json
 from worker.api.context import CTX, WorkerContext
 from worker.api.generation import prepare, prompt_token_ids
@@ -115,15 +115,14 @@ async def tokenize(request: web.Request) -> web.Response:
     add_special = body.get("add_special_tokens", True)
     if not isinstance(add_special, bool):
         raise bad_request("'add_special_tokens' must be a boolean", "add_special_tokens")
-    if "messages" in body:
-        req = parse_chat_request(body, ctx.limits)
-        if req.model != ctx.model_name:
-            prepare(ctx, req)  # raises the 404
+    req = parse_chat_request(body, ctx.limits) if "messages" in body else parse_completion_request(body, ctx.limits)
+    if req.model != ctx.model_name:
+        raise model_not_found(req.model, [ctx.model_name])
+    if isinstance(req, ChatCompletionRequest):
         ids = prompt_token_ids(ctx, req)
+    elif isinstance(req.prompt, list):
+        raise bad_request("'prompt' must be a string", "prompt")
     else:
-        req = parse_completion_request(body, ctx.limits)
-        if isinstance(req.prompt, list):
-            raise bad_request("'prompt' must be a string", "prompt")
         ids = ctx.tokenizer.encode(req.prompt, add_bos=add_special)
     return web.json_response({"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids,
                               "token_strs": None})
