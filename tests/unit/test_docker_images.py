@@ -178,6 +178,28 @@ def test_worker_image_pins_every_distribution_the_worker_imports():
     assert missing == [], f"imported by the worker but not in docker/requirements-worker.txt: {missing}"
 
 
+OUR_PACKAGES = frozenset({"prefixlb", "protocol", "router", "worker", "kernels", "bench"})
+SERVES = {"router": ["router.app", "router.k8s_discovery"], "worker": ["worker.server", "worker.simulator.runner"]}
+
+
+@pytest.mark.parametrize("image", IMAGES)
+def test_the_packages_an_image_copies_are_enough_to_run_its_command(image):
+    """Our packages the Dockerfile does not COPY are made unimportable (as in the image), and the
+    command still parses its flags and imports everything it serves with."""
+    copied = {c.value[0] for c in _parse(image) if c.cmd == "COPY" and not c.flags} & OUR_PACKAGES
+    absent = sorted(OUR_PACKAGES - copied) + (["torch", "triton"] if image == "router" else [])
+    code = (
+        "import sys, importlib\n"
+        f"for m in {absent!r}: sys.modules[m] = None\n"
+        f"for m in {SERVES[image]!r}: importlib.import_module(m)\n"
+        "from prefixlb.cli import main\n"
+        f"sys.exit(main([{image!r}, '--help']))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"usage: prefixlb {image}" in proc.stdout
+
+
 class _Health(http.server.BaseHTTPRequestHandler):
     def do_GET(self):  # noqa: N802 - the stdlib's name
         code = 200 if self.path == "/health" and self.server.healthy else 503  # type: ignore[attr-defined]
