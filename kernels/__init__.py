@@ -1,1 +1,5 @@
-"""kernels."""
+"""Attention over the paged KV cache: torch references (`attention_ref`), Triton kernels
+(`triton_kv_write`, `triton_decode`, `triton_extend`) and the selector (`backend`).
+
+Importing this package imports neither triton nor any kernel: see `kernels/backend.py`.
+"""

@@ -3,7 +3,7 @@
 Same contract as `kernels.attention_ref.prefix_extend_attention`. This is what makes a prefix-cache
 hit cheap: only the new tokens are queries; the cached prefix is only read.
 
-Grid: `(num_seqs, num_heads, cdiv(max_query_len, BLOCK_M))`. A program owns `BLOCK_M` new tokens
+Grid: `(num_seqs, num_heads, cdiv(max_query_len, BLOCK_M))`, tiles 64x64 on CUDA, 32x32 on CPU. A program owns `BLOCK_M` new tokens
 of one sequence and one query head, and streams that sequence's keys from the cache in tiles of
 `BLOCK_N` (flash-attention online softmax, base 2):
 
@@ -23,8 +23,10 @@ import triton.language as tl
 
 from kernels.triton_decode import LOG2_E, _dot_precision
 
-BLOCK_M = 32
-BLOCK_N = 32
+# (BLOCK_M, BLOCK_N): larger tiles on a GPU for more reuse per load; small ones on CPU, where the
+# interpreter's cost grows with tile area and test shapes are short.
+CUDA_TILES = (64, 64)
+CPU_TILES = (32, 32)
 
 
 @triton.jit
@@ -142,10 +144,12 @@ def prefix_extend_attention(
     scale: float,
     *,
     max_query_len: int | None = None,
+    tiles: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """New tokens attend to their cached prefix and causally to themselves (see attention_ref).
 
     `max_query_len` (optional) saves a device-to-host read of the longest query length.
+    `tiles` (optional) overrides `(BLOCK_M, BLOCK_N)` (powers of two >= 16), for tests and tuning.
     """
     total_tokens, num_heads, head_dim = q.shape
     num_seqs = context_lens.shape[0]
@@ -155,13 +159,14 @@ def prefix_extend_attention(
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     group = num_heads // k_cache.shape[2]
-    grid = (num_seqs, num_heads, max(1, triton.cdiv(max_query_len, BLOCK_M)))
+    block_m, block_n = tiles or (CUDA_TILES if q.is_cuda else CPU_TILES)
+    grid = (num_seqs, num_heads, max(1, triton.cdiv(max_query_len, block_m)))
     _extend_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out,
         scale * LOG2_E,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
         group, head_dim, k_cache.shape[1],
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
         DOT_PRECISION=_dot_precision(q.dtype),
     )
     return out

@@ -231,9 +231,10 @@ def test_decode_of_a_zero_length_padding_row_is_zero_with_and_without_splits(int
 
 # ---- prefix extend ---------------------------------------------------------------------------
 
-# (context_len, new tokens) per sequence: 30 cached + 40 new (two query tiles of 32); 32 cached
-# (blocks shared with sequence 0) + 13 new; no prefix and one token; no prefix, 37 new.
-EXTEND_SEQS = [(70, 40), (45, 13), (1, 1), (37, 37)]
+# (context_len, new tokens) per sequence: 70 cached + 40 new (two query tiles of 32; key tiles
+# before the first query need no causal mask at tiles of 32 and 64); 32 cached (blocks shared
+# with sequence 0) + 13 new; no prefix and one token; no prefix, 37 new.
+EXTEND_SEQS = [(110, 40), (45, 13), (1, 1), (37, 37)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
@@ -251,10 +252,13 @@ def test_extend_matches_reference_and_causal_sdpa(interpreted, group, head_dim, 
     scale = head_dim**-0.5
 
     out = interpreted(_triton, "extend", q, k_cache, v_cache, tables, starts, lens, scale)
+    # The GPU's tile shape too: one query tile per sequence here.
+    out_64 = interpreted(_triton, "extend", q, k_cache, v_cache, tables, starts, lens, scale, tiles=(64, 64))
     expected = attention_ref.prefix_extend_attention(q, k_cache, v_cache, tables, starts, lens, scale)
 
     assert out.dtype == dtype
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+    torch.testing.assert_close(out_64, expected, **TOLERANCE[dtype])
     for s, (n, m) in enumerate(EXTEND_SEQS):
         rows = slice(int(starts[s]), int(starts[s + 1]))
         sdpa = _sdpa_on_gathered(q[rows], k_cache, v_cache, tables[s], n, scale, causal_rows=m)
