@@ -121,7 +121,7 @@ class KernelProcess:
 
 
 @pytest.fixture(scope="module")
-def interpreted():
+def run_triton():
     kernels = KernelProcess()
     yield kernels
     kernels.close()
@@ -173,7 +173,7 @@ SHAPES = [  # (group, head_dim, block_size): GQA ratios 1/4/8, head dims 64/128,
 # ---- write_kv --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_write_kv_places_tokens_exactly_where_the_reference_does_and_skips_padding(interpreted, dtype):
+def test_write_kv_places_tokens_exactly_where_the_reference_does_and_skips_padding(run_triton, dtype):
     gen = torch.Generator().manual_seed(1)
     k_cache = torch.zeros(9, 16, 2, 64, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
@@ -181,7 +181,7 @@ def test_write_kv_places_tokens_exactly_where_the_reference_does_and_skips_paddi
     v = torch.randn(6, 2, 64, generator=gen)
     slots = torch.tensor([0, 17, -1, 143, 31, -5], dtype=torch.int64)
 
-    got_k, got_v = interpreted(_triton_write_kv, k, v, k_cache.clone(), v_cache.clone(), slots)
+    got_k, got_v = run_triton(_triton_write_kv, k, v, k_cache.clone(), v_cache.clone(), slots)
     attention_ref.write_kv(k, v, k_cache, v_cache, slots)
 
     assert torch.equal(got_k, k_cache)
@@ -193,7 +193,7 @@ def test_write_kv_places_tokens_exactly_where_the_reference_does_and_skips_paddi
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("group,head_dim,block_size", SHAPES)
-def test_decode_matches_reference_and_sdpa(interpreted, group, head_dim, block_size, dtype):
+def test_decode_matches_reference_and_sdpa(run_triton, group, head_dim, block_size, dtype):
     # 70 and 45 are not multiples of 16 or 32; 1 is a single-token context.
     context_lens = [70, 45, 1]
     num_kv_heads = 2
@@ -206,8 +206,8 @@ def test_decode_matches_reference_and_sdpa(interpreted, group, head_dim, block_s
 
     # Default partition (one split on CPU) and 64-token partitions: 70 tokens -> 2 splits, 45 ->
     # 1 split and an empty one, 1 -> 1 split and an empty one, merged by the second kernel.
-    whole = interpreted(_triton, "decode", q, k_cache, v_cache, tables, lens, scale)
-    split = interpreted(_triton, "decode", q, k_cache, v_cache, tables, lens, scale, partition_size=64)
+    whole = run_triton(_triton, "decode", q, k_cache, v_cache, tables, lens, scale)
+    split = run_triton(_triton, "decode", q, k_cache, v_cache, tables, lens, scale, partition_size=64)
     expected = attention_ref.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
 
     assert whole.dtype == dtype
@@ -218,13 +218,13 @@ def test_decode_matches_reference_and_sdpa(interpreted, group, head_dim, block_s
         torch.testing.assert_close(split[s : s + 1].float(), sdpa, **TOLERANCE[dtype])
 
 
-def test_decode_of_a_zero_length_padding_row_is_zero_with_and_without_splits(interpreted):
+def test_decode_of_a_zero_length_padding_row_is_zero_with_and_without_splits(run_triton):
     k_cache, v_cache, tables = _paged_problem(3, 1, 4, 64, 16, torch.float32, [20, 0], shared_blocks=0)
     q = torch.randn(2, 4, 64)
     lens = torch.tensor([20, 0], dtype=torch.int32)
 
     for partition in (None, 64):
-        out = interpreted(_triton, "decode", q, k_cache, v_cache, tables, lens, 0.125, partition_size=partition)
+        out = run_triton(_triton, "decode", q, k_cache, v_cache, tables, lens, 0.125, partition_size=partition)
         assert torch.equal(out[1], torch.zeros(4, 64))
         assert torch.isfinite(out).all()
 
@@ -239,7 +239,7 @@ EXTEND_SEQS = [(110, 40), (45, 13), (1, 1), (37, 37)]
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("group,head_dim,block_size", SHAPES)
-def test_extend_matches_reference_and_causal_sdpa(interpreted, group, head_dim, block_size, dtype):
+def test_extend_matches_reference_and_causal_sdpa(run_triton, group, head_dim, block_size, dtype):
     context_lens = [n for n, _ in EXTEND_SEQS]
     q_lens = [m for _, m in EXTEND_SEQS]
     num_kv_heads = 1 if group == 8 else 2
@@ -251,9 +251,9 @@ def test_extend_matches_reference_and_causal_sdpa(interpreted, group, head_dim, 
     lens = torch.tensor(context_lens, dtype=torch.int32)
     scale = head_dim**-0.5
 
-    out = interpreted(_triton, "extend", q, k_cache, v_cache, tables, starts, lens, scale)
+    out = run_triton(_triton, "extend", q, k_cache, v_cache, tables, starts, lens, scale)
     # The GPU's tile shape too: one query tile per sequence here.
-    out_64 = interpreted(_triton, "extend", q, k_cache, v_cache, tables, starts, lens, scale, tiles=(64, 64))
+    out_64 = run_triton(_triton, "extend", q, k_cache, v_cache, tables, starts, lens, scale, tiles=(64, 64))
     expected = attention_ref.prefix_extend_attention(q, k_cache, v_cache, tables, starts, lens, scale)
 
     assert out.dtype == dtype
@@ -267,7 +267,7 @@ def test_extend_matches_reference_and_causal_sdpa(interpreted, group, head_dim, 
 
 # ---- 64-bit offsets ----------------------------------------------------------------------------
 
-def test_block_ids_past_the_int32_element_offset_are_read_and_written_correctly(interpreted, tmp_path):
+def test_block_ids_past_the_int32_element_offset_are_read_and_written_correctly(run_triton, tmp_path):
     # With block_size 16, 1 KV head and head_dim 64, a block is 1,024 elements, so block ids from
     # 2^21 on put the element offset past 2^31: int32 index arithmetic would wrap to a negative
     # offset (the interpreter then reads outside the cache and dies, a GPU reads garbage). The
@@ -294,7 +294,7 @@ def test_block_ids_past_the_int32_element_offset_are_read_and_written_correctly(
     q_extend = torch.randn(20, 4, head_dim, generator=gen).to(dtype)
     starts = torch.tensor([0, 20], dtype=torch.int32)
 
-    decoded, extended = interpreted(
+    decoded, extended = run_triton(
         _triton_on_mapped_caches, paths, shape, dtype, k, v, slots,
         (q_decode, tables, lens, 0.125), (q_extend, tables, starts, lens, 0.125),
     )
