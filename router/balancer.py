@@ -157,9 +157,9 @@ class Balancer:
         if cfg.policy == "consistent_hash":
             request.load_bound = hash_load_bound(self.board.total_in_system, len(self.ring),
                                                  cfg.hash_load_factor)
-            candidates = self._ring_walk(prompt, matches, prompt_tokens, request.load_bound, exclude)
+            candidates = self._ring_walk(prompt, matches, prompt_tokens, request.load_bound, exclude, now)
         elif cfg.policy == "round_robin":
-            candidates = self._rotation(prompt, matches, prompt_tokens, sequence, exclude)
+            candidates = self._rotation(prompt, matches, prompt_tokens, sequence, exclude, now)
         else:
             candidates = self._candidate_set(prompt, matches, prompt_tokens, now, exclude, cfg)
         if not candidates:
@@ -184,29 +184,46 @@ class Balancer:
         w = self.board.get(worker_id)
         assert w is not None
         return Candidate(worker_id, self.cached_tokens_for(matched, prompt, prompt_tokens, w.block_size),
-                         w.pending_s(now), w.rate(), w.in_system, w.over_limit(), ring_rank)
+                         w.pending_s(now), w.rate(), w.in_system, w.over_limit(), ring_rank, matched)
 
     def _candidate_set(self, prompt: PromptKey, matches: dict[str, int], prompt_tokens: int,
                        now: float, exclude: frozenset[str] | set[str], cfg: PolicyConfig) -> list[Candidate]:
         ids, successors = self.candidate_ids(prompt, matches, now, exclude, cfg)
-        rank = {w: i for i, w in enumerate(successors)}
-        return [self._candidate(w, matches.get(w, 0), prompt, prompt_tokens, now, rank.get(w, NOT_ON_RING))
-                for w in ids]
+        # The hot loop of every decision (the simulator makes a million): locals, no helpers.
+        chunk_tokens = self.chunk_size * self.tokens_per_byte(prompt.model)
+        cap = prompt_tokens - 1
+        board = self.board
+        out = []
+        for worker_id in ids:
+            w = board.get(worker_id)
+            matched = matches.get(worker_id, 0)
+            cached = 0
+            if matched:
+                tokens = min(matched * chunk_tokens, cap)
+                block = w.block_size
+                cached = max(0, int(tokens // block) * block)
+            try:
+                rank = successors.index(worker_id)
+            except ValueError:
+                rank = NOT_ON_RING
+            out.append(Candidate(worker_id, cached, w.pending_s(now), w.rate(), w.in_system, w.over_limit(), rank,
+                                 matched))
+        return out
 
     def _ring_walk(self, prompt: PromptKey, matches: dict[str, int], prompt_tokens: int, bound: int,
-                   exclude: frozenset[str] | set[str]) -> list[Candidate]:
+                   exclude: frozenset[str] | set[str], now: float) -> list[Candidate]:
         out: list[Candidate] = []
         for worker_id in self.ring.walk(prompt.ring_key):
             if worker_id in exclude:
                 continue
-            c = self._candidate(worker_id, matches.get(worker_id, 0), prompt, prompt_tokens, 0.0, len(out))
+            c = self._candidate(worker_id, matches.get(worker_id, 0), prompt, prompt_tokens, now, len(out))
             out.append(c)
             if not c.over_limit and c.in_system < bound:
                 break
         return out
 
     def _rotation(self, prompt: PromptKey, matches: dict[str, int], prompt_tokens: int, sequence: int,
-                  exclude: frozenset[str] | set[str]) -> list[Candidate]:
+                  exclude: frozenset[str] | set[str], now: float) -> list[Candidate]:
         order = self._rr_order
         out: list[Candidate] = []
         n = len(order)
@@ -214,7 +231,7 @@ class Balancer:
             worker_id = order[(sequence + i) % n]
             if worker_id in exclude:
                 continue
-            c = self._candidate(worker_id, matches.get(worker_id, 0), prompt, prompt_tokens, 0.0)
+            c = self._candidate(worker_id, matches.get(worker_id, 0), prompt, prompt_tokens, now)
             out.append(c)
             if not c.over_limit:
                 break
@@ -222,10 +239,16 @@ class Balancer:
 
     # -- bookkeeping -------------------------------------------------------------------------
     def dispatch(self, decision: Decision, prompt: PromptKey, now: float) -> Booking:
-        """Record that ``decision`` was acted on: optimistic index insert and in-flight work."""
+        """Record that ``decision`` was acted on: optimistic index insert and in-flight work.
+
+        Only the part of the chain the worker does not already hold is inserted: the matched
+        prefix was made most recently used by the lookup itself.
+        """
         worker_id = decision.worker_id
-        if prompt.hashes:
-            self.index.insert(prompt.hashes, worker_id, now, confirmed=False)
+        hashes = prompt.hashes
+        if len(hashes) > decision.matched_chunks:
+            self.index.insert(hashes[decision.matched_chunks:] if decision.matched_chunks else hashes,
+                              worker_id, now, confirmed=False)
         prefill = max(1, decision.prompt_tokens - decision.predicted_cached_tokens)
         ticket = self.board.dispatch(worker_id, prefill, now)
         return Booking(decision, prompt, ticket)
@@ -234,8 +257,11 @@ class Balancer:
         """The worker started answering: the request's prefill is done."""
         self.board.prefilled(booking.ticket, now)
 
-    def finish(self, booking: Booking, now: float, usage: tuple[int, int] | None = None) -> None:
-        """The request ended; ``usage`` = (prompt_tokens, cached_tokens) if the worker said."""
+    def finish(self, booking: Booking, now: float, usage: tuple[int, int | None] | None = None) -> None:
+        """The request ended; ``usage`` = (prompt_tokens, cached_tokens) if the worker said.
+
+        ``cached_tokens`` None (a backend that does not report it) teaches only the token ratio.
+        """
         self.board.finish(booking.ticket, now)
         if usage is None:
             return
@@ -243,6 +269,8 @@ class Balancer:
         prompt = booking.prompt
         worker_id = booking.decision.worker_id
         self.observe_prompt_tokens(prompt.model, prompt.num_bytes, prompt_tokens)
+        if cached is None:
+            return
         w = self.board.get(worker_id)
         block = w.block_size if w is not None else 16
         chunk_tokens = max(1e-9, self.chunk_size * self.tokens_per_byte(prompt.model))

@@ -72,6 +72,7 @@ class Candidate:
     in_system: int = 0
     over_limit: bool = False
     ring_rank: int = NOT_ON_RING
+    matched_chunks: int = 0  # leading chunk hashes of the request the index says it holds
 
 
 @dataclass(slots=True)
@@ -95,6 +96,7 @@ class Decision:
     cost_s: float = 0.0
     costs: tuple[tuple[str, float], ...] = ()
     prompt_tokens: int = 0
+    matched_chunks: int = 0
 
 
 def locality_weight(affinity: float) -> float:
@@ -146,7 +148,8 @@ def _open(candidates: Sequence[Candidate]) -> list[Candidate]:
 
 def _decide(request: RouteRequest, chosen: Candidate, reason: str, cost: float,
             costs: tuple[tuple[str, float], ...] = ()) -> Decision:
-    return Decision(chosen.worker_id, reason, chosen.cached_tokens, cost, costs, request.prompt_tokens)
+    return Decision(chosen.worker_id, reason, chosen.cached_tokens, cost, costs, request.prompt_tokens,
+                    chosen.matched_chunks)
 
 
 def _cache_aware(request: RouteRequest, candidates: Sequence[Candidate], config: PolicyConfig) -> Decision:
@@ -155,34 +158,42 @@ def _cache_aware(request: RouteRequest, candidates: Sequence[Candidate], config:
     weight = locality_weight(affinity)
     knee = config.attention_knee_tokens
     prompt = max(1, request.prompt_tokens)
-    scored: list[tuple[float, float, Candidate]] = []  # (cost, full prefill, candidate)
+    follow_cache = weight == math.inf
+    most = max(c.cached_tokens for c in usable) if follow_cache else 0
+    costs: list[tuple[str, float]] = []
+    pool: list[tuple[float, float, Candidate]] = []  # (cost, full prefill, candidate)
+    best_cost = math.inf
+    best_full = 0.0
     for c in usable:
         full = prefill_seconds(prompt, 0, c.tokens_per_s, knee)
-        cached = min(c.cached_tokens, prompt - 1)
+        cached = c.cached_tokens if c.cached_tokens < prompt else prompt - 1
         actual = prefill_seconds(prompt - cached, cached, c.tokens_per_s, knee) if cached > 0 else full
-        if weight == math.inf:
+        if follow_cache:
             cost = c.pending_s + actual
         else:
             cost = c.pending_s + full - weight * (full - actual)
-        scored.append((cost, full, c))
-    if weight == math.inf:
-        # Follow the cache: only the candidates with the longest match compete on TTFT.
-        most = max(c.cached_tokens for _, _, c in scored)
-        pool = [s for s in scored if s[2].cached_tokens == most]
-    else:
-        pool = scored
-    best_cost, best_full, _ = min(pool, key=lambda s: s[0])
+        costs.append((c.worker_id, cost))
+        if follow_cache and c.cached_tokens != most:
+            continue  # following the cache: only the longest matches compete on TTFT
+        pool.append((cost, full, c))
+        if cost < best_cost:
+            best_cost, best_full = cost, full
     tolerance = config.tie_floor_s + config.tie_tolerance * max(abs(best_cost), best_full)
-    near = [s for s in pool if s[0] <= best_cost + tolerance]
-    on_ring = [s for s in near if s[2].ring_rank != NOT_ON_RING]
-    if on_ring:
-        cost, _, chosen = min(on_ring, key=lambda s: s[2].ring_rank)
-        # The ring decided if it broke a tie, or if the request simply went to the key's owner.
-        by_ring = len(near) > 1 or chosen.ring_rank == 0
-    else:
-        cost, _, chosen = min(near, key=lambda s: (s[0], s[2].worker_id))
-        by_ring = False
-    costs = tuple((c.worker_id, s) for s, _, c in scored)
+    limit = best_cost + tolerance
+    chosen: Candidate | None = None
+    chosen_cost = 0.0
+    near = 0
+    for cost, _, c in pool:
+        if cost > limit:
+            continue
+        near += 1
+        # Earliest on the key's ring first; off the ring, the lowest cost, then the worker id.
+        if chosen is None or (c.ring_rank, cost if c.ring_rank == NOT_ON_RING else 0.0, c.worker_id) < (
+                chosen.ring_rank, chosen_cost if chosen.ring_rank == NOT_ON_RING else 0.0, chosen.worker_id):
+            chosen, chosen_cost = c, cost
+    assert chosen is not None
+    # The ring decided if it broke a tie, or if the request simply went to the key's owner.
+    by_ring = chosen.ring_rank != NOT_ON_RING and (near > 1 or chosen.ring_rank == 0)
     if weight > 0 and chosen.cached_tokens > 0:
         reason = "prefix"
     elif weight > 0 and any(c.cached_tokens > 0 for c in candidates):
@@ -191,7 +202,7 @@ def _cache_aware(request: RouteRequest, candidates: Sequence[Candidate], config:
         reason = "session" if request.session else "ring"
     else:
         reason = "least_load"
-    return _decide(request, chosen, reason, cost, costs)
+    return _decide(request, chosen, reason, chosen_cost, tuple(costs))
 
 
 def _least_load(request: RouteRequest, candidates: Sequence[Candidate], config: PolicyConfig) -> Decision:
