@@ -126,6 +126,11 @@ def test_sigterm_drains_in_flight_requests_then_deregisters(tmp_path, redis_serv
         wait_for(lambda: call(proc.url + "/health").status == 503, 5, what="health 503 while draining")
         refused = call(proc.url + "/v1/completions", "POST", {"model": MODEL, "prompt": "late"})
         assert (refused.status, refused.json["error"]["code"]) == (503, "draining")
+        assert call(proc.url + "/load").json["status"] == "draining"
+        wait_for(lambda: WorkerInfo.from_json(rds.get(keys.worker("w3"))).status == "draining"
+                 and LoadReport.from_json(rds.get(keys.load("w3"))).status == "draining", 5,
+                 what="draining status in the registry")
+        assert streamer.is_alive(), "the request finished before the drain was observed"
         streamer.join(30)
         assert lines[-1] == "data: [DONE]"
         chunks = [json.loads(line[6:]) for line in lines[:-1]]
