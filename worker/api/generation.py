@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from protocol.openai_api import (ChatCompletionRequest, CompletionRequest, OpenAIError, bad_request,
+from protocol.openai_api import (ChatCompletionRequest, CompletionRequest, bad_request,
                                  model_not_found)
 from protocol.render import RenderError, render_request
 from worker.api.context import WorkerContext

@@ -8,8 +8,8 @@ from typing import Any
 
 from aiohttp import web
 
-from protocol.openai_api import (SERVER_ERROR, SERVICE_UNAVAILABLE, OpenAIError, error_body,
-                                 parse_chat_request, parse_completion_request)
+from protocol.openai_api import (SERVICE_UNAVAILABLE, OpenAIError, parse_chat_request,
+                                 parse_completion_request)
 from worker.api.body import read_json
 from worker.api.context import CTX, WorkerContext
 from worker.api.errors import WORKER_HEADER, map_exception
@@ -128,10 +128,11 @@ async def _stream(request: web.Request, ctx: WorkerContext, prep: PreparedReques
             return resp
         except Exception as exc:  # after the first byte: tell the client in-stream, then end
             status, err = map_exception(exc)
+            if status >= 500:
+                log.error("event=stream_failed request=%s status=%d error=%r", meta.id, status, exc)
             ctx.metrics.errors.labels(str(status)).inc()
             with contextlib.suppress(ConnectionError):
-                await resp.write(_sse(err.body() if isinstance(err, OpenAIError)
-                                      else error_body(str(exc), SERVER_ERROR)))
+                await resp.write(_sse(err.body()))
                 await resp.write(b"data: [DONE]\n\n")
             return resp
     return resp
