@@ -32,7 +32,7 @@ class LoadConfig:
     """How to drive the target."""
 
     target: str
-    model: str = "sim"
+    model: str | None = None  # None: the first model the target lists at /v1/models
     time_scale: float = 1.0
     speedup: float = 1.0
     concurrency: int | None = None
@@ -60,7 +60,8 @@ class _Stream:
         if payload == b"[DONE]" or not payload:
             return
         first = self.first_at is None
-        if first or b'"usage"' in payload or b'"error"' in payload:
+        has_usage = b'"usage"' in payload and b'"usage":null' not in payload and b'"usage": null' not in payload
+        if first or has_usage or b'"error"' in payload:
             try:
                 chunk = json.loads(payload)
             except json.JSONDecodeError:
@@ -123,6 +124,20 @@ async def send_one(session: aiohttp.ClientSession, cfg: LoadConfig, spec: Reques
     return rec
 
 
+async def served_model(session: aiohttp.ClientSession, target: str) -> str:
+    """The first model id ``target`` lists at ``/v1/models``."""
+    try:
+        async with session.get(target.rstrip("/") + "/v1/models") as resp:
+            data = await resp.json(content_type=None)
+        return str(data["data"][0]["id"])
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, KeyError, IndexError, TypeError) as exc:
+        raise LoadError(f"cannot read the served model from {target}/v1/models: {exc}") from exc
+
+
+class LoadError(RuntimeError):
+    """The target cannot be driven (unreachable, no model listed)."""
+
+
 async def run_load(workload: Workload, cfg: LoadConfig, text: TextSource | None = None) -> list[RequestRecord]:
     """Send every request of ``workload`` to ``cfg.target``; records come back in request order."""
     text = text or TextSource(cfg.seed)
@@ -135,6 +150,8 @@ async def run_load(workload: Workload, cfg: LoadConfig, text: TextSource | None 
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     wall_per_unit = 1.0 / (cfg.speedup * cfg.time_scale)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        if cfg.model is None:
+            cfg.model = await served_model(session, cfg.target)
         start = time.perf_counter()
 
         async def one(i: int) -> None:

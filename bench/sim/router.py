@@ -34,7 +34,7 @@ class SimRouterConfig:
 
     policy: str = "cache_aware"
     affinity: float = 0.8
-    ring_key_units: int = 1
+    ring_key_bytes: int = 1024  # the router's default: 8 chunks of 128 bytes
     report_interval_s: float = 1.0
     optimistic_ttl_s: float = 30.0
     index_entries: int = 2_000_000
@@ -65,7 +65,7 @@ class SimRouter:
         """The routing view of a simulated request (its text is never built)."""
         num_bytes = req.num_prompt - 1 if req.num_prompt > 1 else req.num_prompt
         data = req.index.to_bytes(8, "little")  # stands in for a prompt shorter than one unit
-        key = ring_key_of(data, req.hashes, 0, self.cfg.ring_key_units, req.session)
+        key = ring_key_of(data, req.hashes, 0, max(1, -(-self.cfg.ring_key_bytes // self.unit)), req.session)
         return PromptKey(SIM_MODEL, num_bytes, req.hashes, key, req.session)
 
     def route(self, req: SimRequest, now: float) -> Decision:

@@ -31,7 +31,7 @@ class BenchConfig:
     workload_opt: list[str] = setting(list, "workload option key=value (repeatable)", flag="--workload-opt")
     seed: int = setting(0, "seed: the workload is deterministic given it")
     num_requests: int | None = setting(None, "number of requests (default: the workload's own)", minimum=1)
-    model: str = setting("sim", "model name sent in each request")
+    model: str | None = setting(None, "model name sent in each request (default: the target's first model)")
     speedup: float = setting(1.0, "divide the workload's arrival times by this", minimum=1e-6)
     time_scale: float = setting(1.0, "the simulated workers run this many times faster; times are scaled back",
                                 minimum=1e-6)
@@ -107,7 +107,7 @@ def main(argv: list[str]) -> int:
         if cfg.rate is not None and cfg.concurrency is not None:
             raise SettingsError("--rate and --concurrency exclude each other")
         summary = run_bench(cfg)
-    except (SettingsError, ValueError, OSError) as exc:
+    except (SettingsError, ValueError, OSError, RuntimeError) as exc:
         print(f"prefixlb bench: {exc}", file=sys.stderr)
         return 2
     print(json.dumps({k: summary[k] for k in ("requests", "errors", "hit_rate", "ttft_ms", "imbalance")}, indent=1))

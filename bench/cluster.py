@@ -1,0 +1,160 @@
+"""Local processes for HTTP benchmarks: a fleet of simulated workers and a router in front of it.
+
+Every process listens on 127.0.0.1 at a free port, logs to a file, and is stopped (its whole
+process group) when the context exits, even on failure.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from bench.peers.launch import peer_env, start_peer
+
+
+class ClusterError(RuntimeError):
+    """A process did not come up (its log tail is in the message)."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as resp:
+            return 200 <= resp.status < 300
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+@dataclass
+class Process:
+    """One started process."""
+
+    name: str
+    popen: subprocess.Popen
+    log: Path
+    url: str
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM the process group, SIGKILL after ``timeout``."""
+        if self.popen.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, signal.SIGTERM)
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait(5)
+
+    def wait_ready(self, path: str, timeout: float) -> None:
+        """Poll ``url + path`` until it answers 2xx; raise with the log tail if it never does."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                break
+            if _get_ok(self.url + path):
+                return
+            time.sleep(0.1)
+        tail = self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
+        self.stop()
+        raise ClusterError(f"{self.name} did not become ready at {self.url}{path}:\n{tail}")
+
+
+@dataclass
+class Cluster:
+    """Started processes, stopped together."""
+
+    log_dir: Path
+    procs: list[Process] = field(default_factory=list)
+
+    def _start(self, name: str, cmd: list[str], port: int, env: dict[str, str] | None = None) -> Process:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = self.log_dir / f"{name}.log"
+        fh = open(log, "wb")
+        popen = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
+                                 env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        proc = Process(name, popen, log, f"http://127.0.0.1:{port}")
+        self.procs.append(proc)
+        return proc
+
+    def workers(self, n: int, time_scale: float, kv_blocks: int | None = None, extra: Sequence[str] = (),
+                redis: str | None = None, redis_prefix: str | None = None, prefix: str = "sim",
+                timeout: float = 60.0) -> list[Process]:
+        """Start ``n`` simulated workers (ids ``{prefix}-0`` ...) and wait until all are healthy."""
+        out = []
+        for i in range(n):
+            port = free_port()
+            cmd = [sys.executable, "-m", "prefixlb", "worker", "--simulate", "--host", "127.0.0.1",
+                   "--port", str(port), "--worker-id", f"{prefix}-{i}", "--time-scale", str(time_scale),
+                   "--log-level", "warning", *extra]
+            if kv_blocks is not None:
+                cmd += ["--kv-blocks", str(kv_blocks)]
+            if redis:
+                cmd += ["--redis", redis, "--redis-prefix", redis_prefix or "prefixlb:"]
+            out.append(self._start(f"{prefix}-{i}", cmd, port))
+        for p in out:
+            p.wait_ready("/health", timeout)
+        return out
+
+    def router(self, workers: Sequence[Process], policy: str, affinity: float | None = None,
+               redis: str | None = None, redis_prefix: str | None = None, extra: Sequence[str] = (),
+               timeout: float = 60.0) -> Process:
+        """Start ``prefixlb router`` in front of ``workers``."""
+        port = free_port()
+        cmd = [sys.executable, "-m", "prefixlb", "router", "--host", "127.0.0.1", "--port", str(port),
+               "--policy", policy, "--log-level", "warning", *extra]
+        for w in workers:
+            cmd += ["--worker", w.url]
+        if affinity is not None:
+            cmd += ["--affinity", str(affinity)]
+        if redis:
+            cmd += ["--redis", redis, "--redis-prefix", redis_prefix or "prefixlb:"]
+        proc = self._start(f"router-{policy}", cmd, port)
+        proc.wait_ready("/health", timeout)
+        return proc
+
+    def peer(self, name: str, policy: str, workers: Sequence[Process], timeout: float = 60.0) -> Process:
+        """Start a peer router (sglang-router / vllm-router) in front of ``workers``."""
+        port, metrics = free_port(), free_port()
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = self.log_dir / f"{name}-{policy}.log"
+        popen = start_peer(name, port, policy, [w.url for w in workers], metrics, log)
+        proc = Process(f"{name}-{policy}", popen, log, f"http://127.0.0.1:{port}")
+        self.procs.append(proc)
+        proc.wait_ready("/v1/models", timeout)
+        return proc
+
+    def stop(self) -> None:
+        """Stop every process, newest first."""
+        for p in reversed(self.procs):
+            p.stop()
+        self.procs.clear()
+
+
+@contextlib.contextmanager
+def cluster(log_dir: str | Path) -> Iterator[Cluster]:
+    """A :class:`Cluster` whose processes are all stopped on exit."""
+    c = Cluster(Path(log_dir))
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+__all__ = ["Cluster", "ClusterError", "Process", "cluster", "free_port", "peer_env"]
