@@ -17,8 +17,9 @@ contains the best choice a full scan would find for the cost model (the best-cac
 ring owner and the idlest), and keeps a decision at a few microseconds for 1,000 workers.
 
 **Predicted cached tokens.** The index matches bytes (chunks); the worker counts tokens. The
-router learns each model's tokens per byte from the ``prompt_tokens`` workers report (an EMA,
-``tokens_per_byte_alpha``; ``tokens_per_byte`` until the first report) and predicts
+router learns tokens per byte from the ``prompt_tokens`` workers report, per model and per
+endpoint (``PromptKey.ratio_key``: a chat template adds tokens a completion does not), as an EMA
+(``tokens_per_byte_alpha``; ``tokens_per_byte`` until the first report), and predicts
 ``floor(min(m * chunk_size * tokens_per_byte, P - 1) / block_size) * block_size`` for ``m``
 matched chunks of a ``P``-token prompt: a worker's prefix cache only ever serves whole blocks,
 and always recomputes the last prompt token.
@@ -108,9 +109,9 @@ class Balancer:
         return list(self._rr_order)
 
     # -- tokens ------------------------------------------------------------------------------
-    def tokens_per_byte(self, model: str) -> float:
-        """The learned tokens-per-byte ratio of ``model`` (the default until learned)."""
-        return self._ratios.get(model, self.default_tokens_per_byte)
+    def tokens_per_byte(self, key: str) -> float:
+        """The learned tokens-per-byte ratio for a ``PromptKey.ratio_key`` (the default until learned)."""
+        return self._ratios.get(key, self.default_tokens_per_byte)
 
     def token_ratios(self) -> dict[str, float]:
         """Every learned ratio (for snapshots)."""
@@ -122,25 +123,25 @@ class Balancer:
             if isinstance(ratio, (int, float)) and ratio > 0:
                 self._ratios.setdefault(str(model), float(ratio))
 
-    def observe_prompt_tokens(self, model: str, num_bytes: int, prompt_tokens: int) -> None:
+    def observe_prompt_tokens(self, key: str, num_bytes: int, prompt_tokens: int) -> None:
         """Learn from a worker's reported ``prompt_tokens`` for a rendering of ``num_bytes``."""
         if num_bytes <= 0 or prompt_tokens <= 0:
             return
         ratio = prompt_tokens / num_bytes
-        old = self._ratios.get(model)
+        old = self._ratios.get(key)
         a = self.tokens_per_byte_alpha
-        self._ratios[model] = ratio if old is None else old + a * (ratio - old)
+        self._ratios[key] = ratio if old is None else old + a * (ratio - old)
 
     def estimate_tokens(self, prompt: PromptKey) -> int:
         """Estimated prompt tokens of a request."""
-        return max(1, round(prompt.num_bytes * self.tokens_per_byte(prompt.model)))
+        return max(1, round(prompt.num_bytes * self.tokens_per_byte(prompt.ratio_key)))
 
     def cached_tokens_for(self, matched_chunks: int, prompt: PromptKey, prompt_tokens: int,
                           block_size: int) -> int:
         """Predicted cached tokens for ``matched_chunks`` leading chunks (see module docstring)."""
         if matched_chunks <= 0:
             return 0
-        tokens = matched_chunks * self.chunk_size * self.tokens_per_byte(prompt.model)
+        tokens = matched_chunks * self.chunk_size * self.tokens_per_byte(prompt.ratio_key)
         tokens = min(tokens, prompt_tokens - 1)
         return max(0, int(tokens // block_size) * block_size)
 
@@ -190,7 +191,7 @@ class Balancer:
                        now: float, exclude: frozenset[str] | set[str], cfg: PolicyConfig) -> list[Candidate]:
         ids, successors = self.candidate_ids(prompt, matches, now, exclude, cfg)
         # The hot loop of every decision (the simulator makes a million): locals, no helpers.
-        chunk_tokens = self.chunk_size * self.tokens_per_byte(prompt.model)
+        chunk_tokens = self.chunk_size * self.tokens_per_byte(prompt.ratio_key)
         cap = prompt_tokens - 1
         board = self.board
         out = []
@@ -268,12 +269,12 @@ class Balancer:
         prompt_tokens, cached = usage
         prompt = booking.prompt
         worker_id = booking.decision.worker_id
-        self.observe_prompt_tokens(prompt.model, prompt.num_bytes, prompt_tokens)
+        self.observe_prompt_tokens(prompt.ratio_key, prompt.num_bytes, prompt_tokens)
         if cached is None:
             return
         w = self.board.get(worker_id)
         block = w.block_size if w is not None else 16
-        chunk_tokens = max(1e-9, self.chunk_size * self.tokens_per_byte(prompt.model))
+        chunk_tokens = max(1e-9, self.chunk_size * self.tokens_per_byte(prompt.ratio_key))
         covered = min(len(prompt.hashes), int(cached // chunk_tokens))
         has_events = worker_id in self._event_sources
         if cached + block < booking.decision.predicted_cached_tokens:

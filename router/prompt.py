@@ -28,6 +28,12 @@ class PromptKey:
     hashes: list[int]
     ring_key: int
     session_key: str | None = None
+    chat: bool = False
+
+    @property
+    def ratio_key(self) -> str:
+        """The key tokens-per-byte is learned under: the model, and the endpoint."""
+        return self.model + " (chat)" if self.chat else self.model
 
 
 def session_key_of(headers: Mapping[str, str], body: Mapping[str, Any],
@@ -56,7 +62,7 @@ def prompt_key(body: Mapping[str, Any], chat: bool, chunk_size: int, ring_key_ch
     data = render_request(body, chat)  # type: ignore[arg-type]
     hashes = chunk_hashes(data, chunk_size, seed)
     return PromptKey(model, len(data), hashes, ring_key_of(data, hashes, seed, ring_key_chunks, session_key),
-                     session_key)
+                     session_key, chat)
 
 
 def ring_key_of(data: bytes, hashes: Sequence[int], seed: int, ring_key_chunks: int,
