@@ -1,0 +1,196 @@
+"""What the router adds on top of calling a worker directly.
+
+    python -m bench.router_overhead                # about a minute
+    python -m bench.router_overhead --quick
+
+One simulated worker (``prefixlb worker --simulate --time-scale 1000``: the same HTTP server,
+near-zero model time, so the HTTP and routing costs dominate) and one router in front of it
+(``prefixlb router --worker ...``), both real processes on loopback. Every measurement of the
+router is paired with the same measurement against the worker directly, in the same run,
+interleaved, so the difference is the router's share:
+
+1. **unloaded latency**: sequential non-streaming requests; p50 / p90 of router - direct.
+   Target: <= 0.3 ms added at p50.
+2. **streaming time to first chunk**: sequential streaming requests, time to the first SSE
+   event; p50 / p90 of router - direct. Target: <= 1 ms added.
+3. **concurrency 32**: 32 clients in a closed loop through the router; the router process's CPU
+   time (``/proc/<pid>/stat`` utime + stime) per request, and the worker's as the in-run
+   baseline. Target: <= 150 µs of router CPU per request.
+
+The client, router and worker share the machine's cores: numbers measured on a busy machine are
+upper bounds (the load average is printed).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+from typing import Iterator
+
+import aiohttp
+
+from bench.stats import percentile
+
+TICKS = os.sysconf("SC_CLK_TCK")
+BODY = {"model": "llama-3-8b", "prompt": "Summarise the meeting notes below in one sentence. " * 2,
+        "max_tokens": 4, "temperature": 0}
+
+
+def free_port() -> int:
+    """A free loopback port."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: process exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=1) as resp:
+                if resp.status == 200 and json.loads(resp.read()).get("routable_workers", 1) >= 1:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} not healthy after {timeout} s")
+
+
+@contextmanager
+def cluster() -> Iterator[tuple[str, str, int, int]]:
+    """(worker URL, router URL, worker pid, router pid) of a running worker + router."""
+    wport, rport = free_port(), free_port()
+    procs = []
+    try:
+        worker = subprocess.Popen([sys.executable, "-m", "prefixlb", "worker", "--simulate", "--time-scale", "1000",
+                                   "--port", str(wport), "--worker-id", "bench-w", "--log-level", "warning"])
+        procs.append(worker)
+        wurl = f"http://127.0.0.1:{wport}"
+        _wait_healthy(wurl, worker)
+        router = subprocess.Popen([sys.executable, "-m", "prefixlb", "router", "--port", str(rport), "--worker", wurl,
+                                   "--log-level", "warning"])
+        procs.append(router)
+        rurl = f"http://127.0.0.1:{rport}"
+        _wait_healthy(rurl, router)
+        yield wurl, rurl, worker.pid, router.pid
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+async def _one(http: aiohttp.ClientSession, url: str, stream: bool) -> float:
+    """Seconds to the full answer (non-streaming) or to the first SSE event (streaming)."""
+    body = {**BODY, "stream": stream}
+    t0 = time.perf_counter()
+    async with http.post(url + "/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{url}: HTTP {resp.status}: {await resp.text()}")
+        if stream:
+            await resp.content.readuntil(b"\n\n")
+            first = time.perf_counter() - t0
+            await resp.read()
+            return first
+        await resp.read()
+        return time.perf_counter() - t0
+
+
+async def paired(wurl: str, rurl: str, n: int, stream: bool) -> dict:
+    """Interleaved direct / router requests: latency percentiles and the router's addition."""
+    direct, routed = [], []
+    async with aiohttp.ClientSession() as http:
+        for _ in range(20):
+            await _one(http, wurl, stream)
+            await _one(http, rurl, stream)
+        for _ in range(n):
+            direct.append(await _one(http, wurl, stream))
+            routed.append(await _one(http, rurl, stream))
+    ms = 1000.0
+    return {"direct_p50_ms": percentile(direct, 50) * ms, "router_p50_ms": percentile(routed, 50) * ms,
+            "added_p50_ms": (percentile(routed, 50) - percentile(direct, 50)) * ms,
+            "added_p90_ms": (percentile(routed, 90) - percentile(direct, 90)) * ms}
+
+
+async def concurrent(url: str, n: int, concurrency: int) -> tuple[float, list[float]]:
+    """``n`` requests by ``concurrency`` closed-loop clients: (wall seconds, latencies)."""
+    latencies: list[float] = []
+    remaining = n
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector) as http:
+        async def client() -> None:
+            nonlocal remaining
+            while remaining > 0:
+                remaining -= 1
+                latencies.append(await _one(http, url, False))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        return time.perf_counter() - t0, latencies
+
+
+async def loaded(wurl: str, rurl: str, wpid: int, rpid: int, n: int, concurrency: int) -> dict:
+    """Router and worker CPU per request at ``concurrency``, and latencies direct vs routed."""
+    await concurrent(rurl, 100, concurrency)  # warm-up
+    direct_s, direct_lat = await concurrent(wurl, n, concurrency)
+    r0, w0 = cpu_seconds(rpid), cpu_seconds(wpid)
+    routed_s, routed_lat = await concurrent(rurl, n, concurrency)
+    r1, w1 = cpu_seconds(rpid), cpu_seconds(wpid)
+    return {"concurrency": concurrency, "requests": n,
+            "router_cpu_us_per_request": 1e6 * (r1 - r0) / n, "worker_cpu_us_per_request": 1e6 * (w1 - w0) / n,
+            "direct_req_per_s": n / direct_s, "router_req_per_s": n / routed_s,
+            "direct_p50_ms": percentile(direct_lat, 50) * 1000, "router_p50_ms": percentile(routed_lat, 50) * 1000}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the three measurements and print them."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer requests")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--json", action="store_true", help="print the results as JSON too")
+    args = parser.parse_args(argv)
+    n_seq = 100 if args.quick else 400
+    n_load = 600 if args.quick else 3000
+    with cluster() as (wurl, rurl, wpid, rpid):
+        unloaded = asyncio.run(paired(wurl, rurl, n_seq, stream=False))
+        streaming = asyncio.run(paired(wurl, rurl, n_seq, stream=True))
+        busy = asyncio.run(loaded(wurl, rurl, wpid, rpid, n_load, args.concurrency))
+    print(f"# router overhead  (load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} cores shared by "
+          f"client, router and worker)")
+    print(f"unloaded, non-streaming: direct p50 {unloaded['direct_p50_ms']:.2f} ms, via router "
+          f"{unloaded['router_p50_ms']:.2f} ms: added p50 {unloaded['added_p50_ms']:.2f} ms "
+          f"(target <= 0.3), p90 {unloaded['added_p90_ms']:.2f} ms")
+    print(f"streaming, first chunk:  direct p50 {streaming['direct_p50_ms']:.2f} ms, via router "
+          f"{streaming['router_p50_ms']:.2f} ms: added p50 {streaming['added_p50_ms']:.2f} ms "
+          f"(target <= 1), p90 {streaming['added_p90_ms']:.2f} ms")
+    print(f"concurrency {busy['concurrency']}: router CPU {busy['router_cpu_us_per_request']:.0f} µs/request "
+          f"(target <= 150), worker CPU {busy['worker_cpu_us_per_request']:.0f} µs/request (ratio "
+          f"{busy['router_cpu_us_per_request'] / busy['worker_cpu_us_per_request']:.2f}); "
+          f"{busy['direct_req_per_s']:.0f} req/s direct, {busy['router_req_per_s']:.0f} req/s via router")
+    if args.json:
+        print(json.dumps({"unloaded": unloaded, "streaming": streaming, "concurrency": busy}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
