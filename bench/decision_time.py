@@ -179,10 +179,11 @@ def main(argv: list[str] | None = None) -> int:
               f"  {r['total_p50_us'] / r['parse_p50_us']:>19.2f}  {r['book_p50_us']:>8.1f}")
     for r in rows:
         if r["tokens"] == 100_000:
-            verdict = "meets" if r["total_p99_us"] <= 1000 else "misses"
+            wall = "meets" if r["total_p99_us"] <= 1000 else "misses"
+            cpu = "meets" if r["total_cpu_p99_us"] <= 1000 else "misses"
             print(f"100K tokens, {r['bytes_per_token']} B/token, chunk {r['chunk_size']}: p99 "
-                  f"{r['total_p99_us'] / 1000:.2f} ms wall, {r['total_cpu_p99_us'] / 1000:.2f} ms CPU "
-                  f"({verdict} the 1 ms target)")
+                  f"{r['total_p99_us'] / 1000:.2f} ms wall ({wall} the 1 ms target), "
+                  f"{r['total_cpu_p99_us'] / 1000:.2f} ms CPU ({cpu} it)")
     print(f"simulator scale: {sim['workers']} workers (ring built in {sim['ring_build_s']:.2f} s): "
           f"decide {sim['decide_cpu_us']:.1f} µs CPU, whole request {sim['request_cpu_us']:.1f} µs CPU "
           f"(decide + dispatch + first_byte + KV event + finish); 1M decisions ~ "
