@@ -224,6 +224,24 @@ class PrefixIndex:
                 if exp > now and live.get(holder.worker_id) is holder:
                     yield h, holder.worker_id, exp - now
 
+    def hash_list(self) -> list[int]:
+        """Every chain hash, oldest first (a copy: safe to walk while the index changes)."""
+        return list(self._map)
+
+    def entries_for(self, hashes: Iterable[int], now: float) -> list[tuple[int, str, float]]:
+        """Live ``(hash, worker_id, seconds_left)`` for ``hashes`` (those still present)."""
+        live = self._live
+        get = self._map.get
+        out = []
+        for h in hashes:
+            entry = get(h)
+            if entry is None:
+                continue
+            for holder, exp in entry.items():
+                if exp > now and live.get(holder.worker_id) is holder:
+                    out.append((h, holder.worker_id, exp - now))
+        return out
+
     def load_entries(self, items: Iterable[tuple[int, str, float]], now: float) -> int:
         """Add ``(hash, worker_id, seconds_left)`` entries (from a snapshot); returns the count."""
         m = self._map

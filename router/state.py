@@ -37,6 +37,7 @@ from router.snapshot import SnapshotError, decode, encode
 log = logging.getLogger("prefixlb.router.state")
 
 READ_COUNT = 1000
+SNAPSHOT_SLICE = 5000  # index entries copied between two yields to the event loop
 BACKOFF_S = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
 REDIS_SOURCE = "redis"
 
@@ -138,8 +139,16 @@ class RedisState:
         """Write the index to Redis; returns the number of entries written."""
         assert self._client is not None
         now = time.time()
+        # Entries read after this id may already reflect later events; replaying those again
+        # on load is harmless (events are idempotent), so the copy can be taken in slices,
+        # yielding to requests in between instead of stalling them for a whole index.
         stream_id = self.last_id
-        entries = list(self.balancer.index.entries(now))  # a consistent copy, taken without awaiting
+        index = self.balancer.index
+        hashes = index.hash_list()
+        entries: list[tuple[int, str, float]] = []
+        for start in range(0, len(hashes), SNAPSHOT_SLICE):
+            entries.extend(index.entries_for(hashes[start:start + SNAPSHOT_SLICE], now))
+            await asyncio.sleep(0)
         data = await asyncio.to_thread(encode, entries, stream_id, now, self.balancer.chunk_size,
                                        self.balancer.token_ratios())
         ttl = max(60, int(self.snapshot_interval * 10))

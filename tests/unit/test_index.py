@@ -107,3 +107,14 @@ def test_entries_round_trip_through_a_snapshot():
     assert fresh.match(CHAIN, now=1000.0) == {"A": 3, "B": 2}
     # The optimistic entries kept their remaining life (30 s - 10 s elapsed), not a new one.
     assert fresh.match(CHAIN, now=1021.0) == {"A": 3}
+
+
+def test_entries_can_be_exported_in_slices_while_the_index_changes():
+    index = PrefixIndex(optimistic_ttl_s=10.0)
+    index.insert([1, 2, 3], "A", now=0.0, confirmed=True)
+    index.insert([4], "B", now=0.0, confirmed=False)
+    hashes = index.hash_list()
+    index.remove([2], "A")  # changed after the hash list was taken
+    assert hashes == [1, 2, 3, 4]
+    assert index.entries_for(hashes[:2], now=5.0) == [(1, "A", 3595.0)]
+    assert index.entries_for(hashes[2:], now=11.0) == [(3, "A", 3589.0)]  # B's entry expired
