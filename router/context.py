@@ -5,6 +5,8 @@ Redis and starts the background tasks *before* the HTTP server listens; :func:`s
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -28,6 +30,8 @@ from router.state import RedisState
 log = logging.getLogger("prefixlb.router")
 
 RUNTIME_KEYS = ("affinity", "policy")
+SWEEP_INTERVAL_S = 5.0
+SWEEP_BUDGET = 20_000  # hashes looked at per sweep (a few ms)
 
 
 class ConfigError(ValueError):
@@ -46,6 +50,7 @@ class RouterContext:
     health: HealthChecker
     state: RedisState | None = None
     discovery: Any = None
+    maintenance: asyncio.Task | None = None
 
     def runtime_config(self) -> dict[str, Any]:
         """The settings that can change at run time, as in force now."""
@@ -163,6 +168,7 @@ async def start(ctx: RouterContext) -> None:
     if ctx.state is not None:
         await ctx.state.start(ctx.config.startup_sync_timeout)
     await ctx.health.start()
+    ctx.maintenance = asyncio.get_running_loop().create_task(_sweep_index(ctx))
     if ctx.config.k8s_selector:
         from router import k8s_discovery
 
@@ -174,10 +180,21 @@ async def stop(ctx: RouterContext) -> None:
     """Stop everything :func:`start` started."""
     if ctx.discovery is not None:
         ctx.discovery.stop()
+    if ctx.maintenance is not None:
+        ctx.maintenance.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await ctx.maintenance
     await ctx.health.close()
     if ctx.state is not None:
         await ctx.state.close()
     await ctx.proxy.close()
+
+
+async def _sweep_index(ctx: RouterContext) -> None:
+    """Drop expired index entries, oldest first, a bounded slice every few seconds."""
+    while True:
+        await asyncio.sleep(SWEEP_INTERVAL_S)
+        ctx.balancer.index.sweep(time.time(), SWEEP_BUDGET)
 
 
 class _DiscoverySink:
