@@ -65,6 +65,8 @@ class RouterMetrics:
                                     "Redis operations that failed, by task", ["task"], registry=r)
         self.snapshots = Counter("prefixlb_router_index_snapshots_total",
                                  "Index snapshots, by operation (write, load)", ["op"], registry=r)
+        self._feedback: dict[str, tuple] = {}
+        self._requests: dict[tuple[str, str], object] = {}
 
     def add_state(self, read: Callable[[], Iterable[GaugeMetricFamily]]) -> None:
         """Register a scrape-time reader of state gauges."""
@@ -76,10 +78,22 @@ class RouterMetrics:
 
     def observe_feedback(self, worker_id: str, predicted: int, prompt_tokens: int, cached: int) -> None:
         """Record a finished request's predicted vs reported cached tokens."""
-        self.predicted_cached.labels(worker_id).inc(predicted)
-        self.reported_cached.labels(worker_id).inc(cached)
-        self.prompt_tokens.labels(worker_id).inc(prompt_tokens)
+        children = self._feedback.get(worker_id)
+        if children is None:
+            children = self._feedback[worker_id] = (self.predicted_cached.labels(worker_id),
+                                                    self.reported_cached.labels(worker_id),
+                                                    self.prompt_tokens.labels(worker_id))
+        children[0].inc(predicted)
+        children[1].inc(cached)
+        children[2].inc(prompt_tokens)
         self.prediction_error.observe(abs(predicted - cached))
+
+    def count_request(self, worker_id: str, reason: str) -> None:
+        """Count a routed request (label children cached: this runs for every request)."""
+        child = self._requests.get((worker_id, reason))
+        if child is None:
+            child = self._requests[(worker_id, reason)] = self.requests.labels(worker_id, reason)
+        child.inc()
 
 
 def gauge(name: str, documentation: str, labels: list[str] | None = None) -> GaugeMetricFamily:

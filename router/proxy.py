@@ -100,7 +100,7 @@ class Proxy:
             decision = self._decide(preq, excluded, failure)
             url = self.registry.url_of(decision.worker_id)
             booking = self.balancer.dispatch(decision, preq.prompt, time.time())
-            self.metrics.requests.labels(decision.worker_id, decision.reason).inc()
+            self.metrics.count_request(decision.worker_id, decision.reason)
             upstream: aiohttp.ClientResponse | None = None
             try:
                 if url is None:
