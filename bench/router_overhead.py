@@ -17,6 +17,9 @@ interleaved, so the difference is the router's share:
    time (``/proc/<pid>/stat`` utime + stime) per request, and the worker's as the in-run
    baseline. Target: <= 150 µs of router CPU per request.
 
+The same three are measured for a bare aiohttp proxy (no validation, no routing, no metrics:
+``serve_bare_proxy``) in the same run: the floor any router built on aiohttp starts from.
+
 The client, router and worker share the machine's cores: numbers measured on a busy machine are
 upper bounds (the load average is printed).
 """
@@ -34,12 +37,45 @@ from contextlib import contextmanager
 from typing import Iterator
 
 import aiohttp
+from aiohttp import web
 
 from bench.stats import percentile
 
 TICKS = os.sysconf("SC_CLK_TCK")
+SESSION = web.AppKey("session", aiohttp.ClientSession)
 BODY = {"model": "llama-3-8b", "prompt": "Summarise the meeting notes below in one sentence. " * 2,
         "max_tokens": 4, "temperature": 0}
+
+
+def serve_bare_proxy(port: int, upstream: str) -> None:
+    """A minimal aiohttp proxy (no validation, no routing): the floor of any aiohttp router."""
+    async def forward(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        async with request.app[SESSION].post(upstream + request.path, data=body,
+                                             headers={"Content-Type": "application/json"}) as up:
+            if up.headers.get("Content-Type", "").startswith("text/event-stream"):
+                out = web.StreamResponse(status=up.status, headers={"Content-Type": up.headers["Content-Type"]})
+                await out.prepare(request)
+                async for chunk in up.content.iter_any():
+                    await out.write(chunk)
+                await out.write_eof()
+                return out
+            return web.Response(body=await up.read(), status=up.status,
+                                headers={"Content-Type": up.headers.get("Content-Type", "application/json")})
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def session(app: web.Application):
+        app[SESSION] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        yield
+        await app[SESSION].close()
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", forward)
+    app.router.add_get("/health", health)
+    app.cleanup_ctx.append(session)
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None, handler_cancellation=True)
 
 
 def free_port() -> int:
@@ -74,9 +110,9 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> N
 
 
 @contextmanager
-def cluster() -> Iterator[tuple[str, str, int, int]]:
-    """(worker URL, router URL, worker pid, router pid) of a running worker + router."""
-    wport, rport = free_port(), free_port()
+def cluster() -> Iterator[tuple[str, str, int, int, str, int]]:
+    """(worker URL, router URL, worker pid, router pid, bare proxy URL, bare proxy pid)."""
+    wport, rport, bport = free_port(), free_port(), free_port()
     procs = []
     try:
         worker = subprocess.Popen([sys.executable, "-m", "prefixlb", "worker", "--simulate", "--time-scale", "1000",
@@ -89,7 +125,12 @@ def cluster() -> Iterator[tuple[str, str, int, int]]:
         procs.append(router)
         rurl = f"http://127.0.0.1:{rport}"
         _wait_healthy(rurl, router)
-        yield wurl, rurl, worker.pid, router.pid
+        bare = subprocess.Popen([sys.executable, "-m", "bench.router_overhead", "--serve-bare-proxy", str(bport),
+                                 wurl])
+        procs.append(bare)
+        burl = f"http://127.0.0.1:{bport}"
+        _wait_healthy(burl, bare)
+        yield wurl, rurl, worker.pid, router.pid, burl, bare.pid
     finally:
         for p in procs:
             p.terminate()
@@ -163,32 +204,44 @@ async def loaded(wurl: str, rurl: str, wpid: int, rpid: int, n: int, concurrency
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the three measurements and print them."""
+    """Run the three measurements for the router and for a bare aiohttp proxy; print them."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer requests")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--json", action="store_true", help="print the results as JSON too")
+    parser.add_argument("--serve-bare-proxy", nargs=2, metavar=("PORT", "UPSTREAM"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.serve_bare_proxy:
+        serve_bare_proxy(int(args.serve_bare_proxy[0]), args.serve_bare_proxy[1])
+        return 0
     n_seq = 100 if args.quick else 400
     n_load = 600 if args.quick else 3000
-    with cluster() as (wurl, rurl, wpid, rpid):
-        unloaded = asyncio.run(paired(wurl, rurl, n_seq, stream=False))
-        streaming = asyncio.run(paired(wurl, rurl, n_seq, stream=True))
-        busy = asyncio.run(loaded(wurl, rurl, wpid, rpid, n_load, args.concurrency))
+    results = {}
+    with cluster() as (wurl, rurl, wpid, rpid, burl, bpid):
+        for name, url, pid in (("router", rurl, rpid), ("bare aiohttp proxy", burl, bpid)):
+            results[name] = {"unloaded": asyncio.run(paired(wurl, url, n_seq, stream=False)),
+                             "streaming": asyncio.run(paired(wurl, url, n_seq, stream=True)),
+                             "concurrency": asyncio.run(loaded(wurl, url, wpid, pid, n_load, args.concurrency))}
     print(f"# router overhead  (load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} cores shared by "
-          f"client, router and worker)")
-    print(f"unloaded, non-streaming: direct p50 {unloaded['direct_p50_ms']:.2f} ms, via router "
-          f"{unloaded['router_p50_ms']:.2f} ms: added p50 {unloaded['added_p50_ms']:.2f} ms "
-          f"(target <= 0.3), p90 {unloaded['added_p90_ms']:.2f} ms")
-    print(f"streaming, first chunk:  direct p50 {streaming['direct_p50_ms']:.2f} ms, via router "
-          f"{streaming['router_p50_ms']:.2f} ms: added p50 {streaming['added_p50_ms']:.2f} ms "
-          f"(target <= 1), p90 {streaming['added_p90_ms']:.2f} ms")
-    print(f"concurrency {busy['concurrency']}: router CPU {busy['router_cpu_us_per_request']:.0f} µs/request "
-          f"(target <= 150), worker CPU {busy['worker_cpu_us_per_request']:.0f} µs/request (ratio "
-          f"{busy['router_cpu_us_per_request'] / busy['worker_cpu_us_per_request']:.2f}); "
-          f"{busy['direct_req_per_s']:.0f} req/s direct, {busy['router_req_per_s']:.0f} req/s via router")
+          f"client, proxy and worker)")
+    for name, r in results.items():
+        unloaded, streaming, busy = r["unloaded"], r["streaming"], r["concurrency"]
+        print(f"{name}:")
+        print(f"  unloaded, non-streaming: direct p50 {unloaded['direct_p50_ms']:.2f} ms, via {name} "
+              f"{unloaded['router_p50_ms']:.2f} ms: added p50 {unloaded['added_p50_ms']:.2f} ms "
+              f"(target <= 0.3), p90 {unloaded['added_p90_ms']:.2f} ms")
+        print(f"  streaming, first chunk:  direct p50 {streaming['direct_p50_ms']:.2f} ms, via {name} "
+              f"{streaming['router_p50_ms']:.2f} ms: added p50 {streaming['added_p50_ms']:.2f} ms "
+              f"(target <= 1), p90 {streaming['added_p90_ms']:.2f} ms")
+        print(f"  concurrency {busy['concurrency']}: {name} CPU {busy['router_cpu_us_per_request']:.0f} µs/request "
+              f"(target <= 150), worker CPU {busy['worker_cpu_us_per_request']:.0f} µs/request (ratio "
+              f"{busy['router_cpu_us_per_request'] / busy['worker_cpu_us_per_request']:.2f}); "
+              f"{busy['direct_req_per_s']:.0f} req/s direct, {busy['router_req_per_s']:.0f} req/s via {name}")
+    router, bare = results["router"], results["bare aiohttp proxy"]
+    print(f"router / bare proxy: added latency {router['unloaded']['added_p50_ms'] / bare['unloaded']['added_p50_ms']:.2f}x, "
+          f"CPU per request {router['concurrency']['router_cpu_us_per_request'] / bare['concurrency']['router_cpu_us_per_request']:.2f}x")
     if args.json:
-        print(json.dumps({"unloaded": unloaded, "streaming": streaming, "concurrency": busy}, indent=2))
+        print(json.dumps(results, indent=2))
     return 0
 
 

@@ -58,8 +58,10 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 async def read_body(request: web.Request, limit: int) -> bytes:
     """The request body, or a 413 as soon as it exceeds ``limit`` bytes."""
-    if request.content_length is not None and request.content_length > limit:
-        raise body_too_large(limit)
+    if request.content_length is not None:
+        if request.content_length > limit:
+            raise body_too_large(limit)
+        return await request.read()  # the declared length is within the limit: one read
     chunks = []
     size = 0
     async for chunk in request.content.iter_chunked(1 << 16):
