@@ -16,8 +16,8 @@ from typing import Awaitable, Callable
 from aiohttp import web
 
 from protocol import RenderError
-from protocol.openai_api import OpenAIError, RequestLimits, bad_request, body_too_large, error_body, parse_request
-from protocol.openai_api import model_not_found
+from protocol.openai_api import (OpenAIError, RequestLimits, bad_request, body_too_large, error_body,
+                                 model_not_found, parse_request)
 from router.context import RouterContext
 from router.metrics import CONTENT_TYPE
 from router.prompt import prompt_key, session_key_of

@@ -6,7 +6,7 @@ health) are read at scrape time by a collector, never updated on the request pat
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -66,7 +66,7 @@ class RouterMetrics:
         self.snapshots = Counter("prefixlb_router_index_snapshots_total",
                                  "Index snapshots, by operation (write, load)", ["op"], registry=r)
         self._feedback: dict[str, tuple] = {}
-        self._requests: dict[tuple[str, str], object] = {}
+        self._requests: dict[tuple[str, str], Any] = {}
 
     def add_state(self, read: Callable[[], Iterable[GaugeMetricFamily]]) -> None:
         """Register a scrape-time reader of state gauges."""

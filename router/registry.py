@@ -14,8 +14,7 @@ Only *healthy* workers are routable (on the balancer's ring). The registry itsel
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from protocol import LoadReport, WorkerInfo
@@ -52,7 +51,6 @@ class Worker:
     failures: int = 0
     last_ok: float = 0.0
     last_error: str = ""
-    added_at: float = field(default_factory=time.time)
 
     def to_dict(self) -> dict:
         """JSON view for the admin API."""

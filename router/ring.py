@@ -19,7 +19,7 @@ only its share.
 from __future__ import annotations
 
 from bisect import bisect_right
-from typing import Callable, Iterable, Iterator
+from typing import Iterable, Iterator
 
 import xxhash
 from uhashring import HashRing
@@ -125,16 +125,3 @@ class WorkerRing:
             if worker_id not in seen:
                 seen.add(worker_id)
                 yield worker_id
-
-    def first_under_bound(self, key: int, over_bound: Callable[[str], bool]) -> tuple[str | None, int]:
-        """Bounded-load lookup: the first worker from ``key``'s owner not ``over_bound``.
-
-        Returns ``(worker_id, hops)``, ``hops`` = how many workers over the bound were walked
-        past (0 = the owner itself); ``(None, n)`` when every worker is over the bound.
-        """
-        hops = 0
-        for worker_id in self.walk(key):
-            if not over_bound(worker_id):
-                return worker_id, hops
-            hops += 1
-        return None, hops

@@ -49,16 +49,6 @@ def test_successors_are_distinct_and_start_at_the_owner():
         assert list(ring.walk(k)) == succ
 
 
-def test_bounded_load_lookup_walks_past_workers_over_the_bound():
-    ring = WorkerRing(["w1", "w2", "w3"])
-    key = KEYS[0]
-    order = ring.successors(key, 3)
-    assert ring.first_under_bound(key, lambda w: False) == (order[0], 0)
-    assert ring.first_under_bound(key, lambda w: w == order[0]) == (order[1], 1)
-    assert ring.first_under_bound(key, lambda w: w != order[2]) == (order[2], 2)
-    assert ring.first_under_bound(key, lambda w: True) == (None, 3)
-
-
 def test_an_empty_ring_owns_nothing():
     ring = WorkerRing()
     assert ring.owner(KEYS[0]) is None
