@@ -145,11 +145,14 @@ class SimWorker:
         self.busy_s += now - self._start
         if self._run is not None:
             k = self._run[4]
+            done = []
             for req in self._batch:
                 req.num_output += k
                 req.num_computed += k
+                if req.num_output >= req.max_tokens:
+                    done.append(req)
             self.running_tokens += k * len(self._batch)
-            self._finish_done(now)
+            self._finish(done, now)
         else:
             self._apply_step(now)
         self._run = None
@@ -301,14 +304,27 @@ class SimWorker:
     def _schedule(self) -> tuple[list[tuple[SimRequest, int]], StepShape]:
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[SimRequest, int]] = []
+        shape = StepShape()
+        unit = self.unit
+        running = self.running
+        decodes = decode_ctx = 0
         preempted = False
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        while i < len(running) and budget > 0:
+            req = running[i]
+            if req.prefill_left == 0:
+                ctx = req.num_prompt + req.num_output
+                if ctx <= len(req.blocks) * unit:  # fast path: a decode whose block exists
+                    scheduled.append((req, 1))
+                    decodes += 1
+                    decode_ctx += ctx
+                    budget -= 1
+                    i += 1
+                    continue
             n = min(req.num_tokens - req.num_computed, budget)
             ok = self._allocate(req, n)
             while not ok:
-                victim = self.running[-1]
+                victim = running[-1]
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
@@ -317,9 +333,14 @@ class SimWorker:
             if not ok:
                 break
             scheduled.append((req, n))
+            if req.prefill_left == 0:
+                decodes += 1
+                decode_ctx += req.num_tokens
+            else:
+                shape.add_prefill(n, req.num_computed, samples=req.num_computed + n == req.num_tokens)
             budget -= n
             i += 1
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and not preempted and len(running) < self.max_num_seqs:
             req = self.waiting[0]
             hits, hit_tokens = self._cached_prefix(req)
             n = min(req.num_tokens - hit_tokens, budget)
@@ -331,40 +352,51 @@ class SimWorker:
             req.num_computed = hit_tokens
             if req.cached_tokens < 0:
                 req.cached_tokens = hit_tokens
-            self.running.append(req)
+            running.append(req)
             self.running_tokens += req.num_tokens
             scheduled.append((req, n))
+            shape.add_prefill(n, hit_tokens, samples=hit_tokens + n == req.num_tokens)
             budget -= n
-        shape = StepShape()
-        for req, n in scheduled:
-            if req.prefill_left == 0:
-                shape.add_decode(req.num_tokens)
-            else:
-                shape.add_prefill(n, req.num_computed, samples=req.num_computed + n == req.num_tokens)
+        # Decodes summed at once: what ``StepShape.add_decode`` adds, per decoding sequence.
+        shape.tokens += decodes
+        shape.sampled += decodes
+        shape.attention_pairs += decode_ctx
+        shape.kv_tokens += decode_ctx
+        shape.num_seqs += decodes
         return scheduled, shape
 
     def _apply_step(self, now: float) -> None:
         pool = self.pool
         unit = self.unit
+        done = []
+        decodes = 0
         for req, n in self._batch:
-            if req.prefill_left:
-                req.prefill_left -= n
-                self.queued_prefill_tokens -= n
-            req.num_computed += n
-            if req.num_computed == req.num_tokens:
+            if req.prefill_left == 0:
+                req.num_computed += 1
                 req.num_output += 1
-                self.running_tokens += 1
+                decodes += 1
+                if req.num_output >= req.max_tokens:
+                    done.append(req)
+                continue
+            req.prefill_left -= n
+            self.queued_prefill_tokens -= n
+            req.num_computed += n
+            if req.prefill_left == 0:
+                req.num_output += 1
+                decodes += 1
                 if req.first_token_at is None:
                     req.first_token_at = now
                     self.first_tokens.append(req)
+                if req.num_output >= req.max_tokens:
+                    done.append(req)
             num_full = min(req.num_computed // unit, len(req.blocks), len(req.hashes))
             if num_full > req.num_registered:
                 pool.cache_blocks(req.blocks[req.num_registered:num_full], req.hashes[req.num_registered:num_full])
                 req.num_registered = num_full
-        self._finish_done(now)
+        self.running_tokens += decodes
+        self._finish(done, now)
 
-    def _finish_done(self, now: float) -> None:
-        done = [r for r in self.running if r.num_output >= r.max_tokens]
+    def _finish(self, done: list[SimRequest], now: float) -> None:
         for req in done:
             self.running.remove(req)
             self.running_tokens -= req.num_tokens

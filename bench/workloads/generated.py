@@ -9,6 +9,7 @@ Content ids are namespaced by kind (high bits) so that ids of different kinds ne
 """
 from __future__ import annotations
 
+import itertools
 import random
 
 from bench.workloads.base import RequestSpec, Workload, WorkloadError, poisson_arrivals
@@ -27,11 +28,11 @@ def system_prompt(num_requests: int = 1000, seed: int = 0, tenants: int = 20,
     if tenants < 1 or num_requests < 0:
         raise WorkloadError("system-prompt needs tenants >= 1 and num_requests >= 0")
     rng = random.Random(seed)
-    weights = _zipf_weights(tenants, zipf)
+    cum = list(itertools.accumulate(_zipf_weights(tenants, zipf)))  # choices() would redo this per call
     arrivals = poisson_arrivals(num_requests, rate, seed + 1)
     requests = []
     for i in range(num_requests):
-        tenant = rng.choices(range(tenants), weights)[0]
+        tenant = rng.choices(range(tenants), cum_weights=cum)[0]
         q = rng.randint(*question_tokens)
         segments = ((_SYSTEM + tenant, system_tokens), (_QUESTION + i, q))
         requests.append(RequestSpec(i, arrivals[i], segments, rng.randint(*output_tokens)))

@@ -1,0 +1,286 @@
+"""The routing report of docs/benchmarks.md, reproducible by one command: ``prefixlb bench report``.
+
+1. **Fleet simulator** (virtual time, the router's own Balancer): the Mooncake trace on 4, 8 and
+   16 workers (same KV per worker, arrivals sped up in proportion so each worker sees the same
+   load), and the generated workloads on 8 workers; prefixlb's policies (cache_aware at several
+   affinities, least_load, consistent_hash, round_robin) and the upper bound (one worker with the
+   fleet's capacity and compute).
+2. **HTTP replay** of the trace: real processes over loopback, simulated workers running
+   ``time_scale`` times faster than real time, the bench's load generator; a fresh fleet (empty
+   caches) per router: prefixlb (each policy, with Redis for KV events and load reports),
+   sglang-router (cache_aware) and vllm-router (cache_aware, consistent_hash), and the upper
+   bound (one merged simulated worker, no router).
+3. **Validation**: the simulator against the HTTP replay for each prefixlb row.
+4. **Goals** checked row by row (see :data:`GOALS`).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import math
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.cluster import ClusterError, cluster
+from bench.loadgen import LoadConfig, run_load
+from bench.peers.launch import PeerError
+from bench.report import table, write_run
+from bench.sim.fleet import FleetConfig, simulate
+from bench.sim.router import SimRouterConfig
+from bench.workloads import TextSource, Workload, load_workload
+
+DEFAULT_TRACE = "/work/shared/traces/mooncake_synthetic_trace.jsonl"
+GOALS = ("hit rate >= 0.95 x upper bound", "p99 TTFT <= 0.5 x sglang-router's (HTTP)",
+         "p99 TTFT < least_load's", "p50 TTFT <= every peer's (HTTP)", "imbalance <= 1.15", "zero errors")
+
+# Generated workloads on 8 workers, loaded so that round-robin keeps the GPUs busy 60-80% of
+# the time (checked in the report's utilisation column).
+GENERATED = {
+    "system-prompt": ["tenants=64", "system_tokens=6144", "question_tokens=64-512", "output_tokens=32-256",
+                      "rate=24"],
+    "doc-qa": ["documents=48", "questions=12", "document_tokens=12288", "question_tokens=32-256",
+               "output_tokens=32-256", "rate=12"],
+    "multi-turn": ["sessions=400", "system_tokens=2048", "user_tokens=128-1024", "assistant_tokens=128-512",
+                   "think_s=20", "rate=2.5"],
+}
+
+
+@dataclass(slots=True)
+class ReportPlan:
+    """What the report runs."""
+
+    trace: str = DEFAULT_TRACE
+    workers: int = 8
+    kv_blocks: int = 16000
+    speedup: float = 1.0
+    time_scale: float = 5.0
+    affinities: tuple[float, ...] = (0.5, 0.8, 1.0)
+    num_requests: int | None = None
+    generated_requests: int = 4000
+    http: bool = True
+    peers: bool = True
+    sim: bool = True
+    redis: str | None = "redis://127.0.0.1:6379/0"
+    out: Path = Path("runs/report")
+    fleet_sizes: tuple[int, ...] = (4, 8, 16)
+    seed: int = 0
+    http_policies: tuple[str, ...] = field(default=())
+
+
+def prefixlb_rows(affinities: tuple[float, ...]) -> list[tuple[str, str, float | None]]:
+    """(label, policy, affinity) of prefixlb's rows."""
+    rows = [(f"prefixlb cache_aware a={a:g}", "cache_aware", a) for a in affinities]
+    return rows + [("prefixlb least_load", "least_load", None), ("prefixlb consistent_hash", "consistent_hash", None),
+                   ("prefixlb round_robin", "round_robin", None)]
+
+
+def _fleet(plan: ReportPlan, workers: int, unit: int, speedup: float, policy: str = "cache_aware",
+           affinity: float | None = None, upper_bound: bool = False) -> FleetConfig:
+    return FleetConfig(workers=workers, kv_blocks=plan.kv_blocks, unit=unit, speedup=speedup,
+                       upper_bound=upper_bound,
+                       router=SimRouterConfig(policy=policy, affinity=0.8 if affinity is None else affinity))
+
+
+def sim_scenario(plan: ReportPlan, name: str, workload: Workload, workers: int, unit: int,
+                 speedup: float) -> list[tuple[str, dict, dict]]:
+    """Every prefixlb policy and the upper bound on one simulated setting."""
+    out = []
+    configs = [("upper bound", _fleet(plan, workers, unit, speedup, upper_bound=True))]
+    configs += [(label, _fleet(plan, workers, unit, speedup, policy, a)) for label, policy, a
+                in prefixlb_rows(plan.affinities)]
+    for label, cfg in configs:
+        result = simulate(workload, cfg)
+        result.meta["label"] = label
+        run_dir = plan.out / "sim" / name / label.replace(" ", "_").replace("=", "")
+        summary = write_run(run_dir, result.records, result.meta, fleet=list(result.meta["utilisation"]))
+        out.append((label, summary, result.meta))
+    return out
+
+
+def http_run(plan: ReportPlan, label: str, workload: Workload, kind: str, policy: str,
+             affinity: float | None = None) -> tuple[str, dict, dict]:
+    """One HTTP replay on a fresh fleet; ``kind`` is ``prefixlb``, a peer's name, or ``upper``."""
+    run_dir = plan.out / "http" / label.replace(" ", "_").replace("=", "")
+    prefix = f"prefixlb-report-{uuid.uuid4().hex[:8]}:"
+    started = time.time()
+    with cluster(run_dir / "logs") as c:
+        if kind == "upper":
+            n = plan.workers
+            extra = ["--sim-tp", str(n), "--max-num-seqs", str(256 * n), "--max-num-batched-tokens", str(8192 * n)]
+            workers = c.workers(1, plan.time_scale, kv_blocks=plan.kv_blocks * n, extra=extra)
+            target = workers[0].url
+        else:
+            use_redis = plan.redis if kind == "prefixlb" else None
+            workers = c.workers(plan.workers, plan.time_scale, kv_blocks=plan.kv_blocks, redis=use_redis,
+                                redis_prefix=prefix)
+            if kind == "prefixlb":
+                target = c.router(workers, policy, affinity, redis=use_redis, redis_prefix=prefix).url
+            else:
+                target = c.peer(kind, policy, workers).url
+        load = LoadConfig(target=target, time_scale=plan.time_scale, speedup=plan.speedup, progress=False,
+                          request_timeout_s=1800.0, seed=plan.seed)
+        records = asyncio.run(run_load(workload, load, TextSource(plan.seed)))
+    _drop_redis_keys(plan.redis, prefix)
+    meta = {"label": label, "kind": "http", "router": kind, "policy": policy, "affinity": affinity,
+            "time_scale": plan.time_scale, "speedup": plan.speedup, "workers": plan.workers,
+            "kv_blocks_per_worker": plan.kv_blocks, "workload": workload.name,
+            "wall_s": round(time.time() - started, 1)}
+    fleet = ["sim-0"] if kind == "upper" else [f"sim-{i}" for i in range(plan.workers)]
+    summary = write_run(run_dir, records, meta, fleet=fleet)
+    return label, summary, meta
+
+
+def _drop_redis_keys(url: str | None, prefix: str) -> None:
+    if not url:
+        return
+    try:
+        import redis
+
+        client = redis.Redis.from_url(url)
+        keys = list(client.scan_iter(match=prefix + "*", count=1000))
+        if keys:
+            client.delete(*keys)
+        client.close()
+    except Exception:  # noqa: BLE001 - cleanup is best effort; keys expire or are bounded anyway
+        pass
+
+
+def goal_checks(rows: list[tuple[str, dict, dict]], http: bool) -> list[str]:
+    """One markdown line per prefixlb cache_aware row: which goals it meets."""
+    by = {label: s for label, s, _ in rows}
+    upper = by.get("upper bound")
+    least = by.get("prefixlb least_load")
+    sglang = by.get("sglang-router cache_aware")
+    peers = [s for label, s, _ in rows if label.startswith(("sglang-router", "vllm-router"))]
+    lines = []
+    for label, s, _ in rows:
+        if not label.startswith("prefixlb cache_aware"):
+            continue
+        t = s["ttft_ms"]
+        checks = []
+        if upper:
+            checks.append(("hit >= 0.95 UB", s["hit_rate"] >= 0.95 * upper["hit_rate"],
+                           f"{s['hit_rate'] / max(upper['hit_rate'], 1e-9):.2f} x UB"))
+        if http and sglang:
+            checks.append(("p99 <= 0.5 sglang", t["p99"] <= 0.5 * sglang["ttft_ms"]["p99"],
+                           f"{t['p99'] / sglang['ttft_ms']['p99']:.2f} x sglang"))
+        if least:
+            checks.append(("p99 < least_load", t["p99"] < least["ttft_ms"]["p99"],
+                           f"{t['p99'] / least['ttft_ms']['p99']:.2f} x least_load"))
+        if http and peers:
+            best = min(p["ttft_ms"]["p50"] for p in peers)
+            checks.append(("p50 <= peers", t["p50"] <= best, f"{t['p50'] / best:.2f} x best peer"))
+        checks.append(("imbalance <= 1.15", s["imbalance"] <= 1.15, f"{s['imbalance']:.2f}"))
+        checks.append(("zero errors", s["errors"] == 0, str(s["errors"])))
+        text = "; ".join(f"{name} {'✅' if ok else '❌'} ({value})" for name, ok, value in checks)
+        lines.append(f"- {label}: {text}")
+    return lines
+
+
+def _util(meta: dict) -> str:
+    u = meta.get("mean_utilisation")
+    return f" (mean busy {u:.0%})" if isinstance(u, float) else ""
+
+
+def section(title: str, rows: list[tuple[str, dict, dict]], http: bool) -> list[str]:
+    """A titled table plus its goal checks."""
+    util = {label: _util(meta) for label, _, meta in rows}
+    lines = [f"### {title}", "", table([(label + util[label], s) for label, s, _ in rows]), ""]
+    lines += goal_checks(rows, http) + [""]
+    return lines
+
+
+def validation(sim_rows: list[tuple[str, dict, dict]], http_rows: list[tuple[str, dict, dict]]) -> list[str]:
+    """Simulator vs HTTP replay, row by row: hit-rate difference (points) and TTFT p50 ratio."""
+    sim = {label: s for label, s, _ in sim_rows}
+    lines = ["| run | hit rate sim / HTTP | difference (points) | TTFT p50 sim / HTTP (s) | ratio |",
+             "|---|---|---|---|---|"]
+    for label, h, _ in http_rows:
+        s = sim.get(label)
+        if s is None:
+            continue
+        diff = 100.0 * (s["hit_rate"] - h["hit_rate"])
+        p50s, p50h = s["ttft_ms"]["p50"] / 1000, h["ttft_ms"]["p50"] / 1000
+        ratio = p50s / p50h if p50h else math.nan
+        lines.append(f"| {label} | {s['hit_rate']:.3f} / {h['hit_rate']:.3f} | {diff:+.1f} | "
+                     f"{p50s:.3f} / {p50h:.3f} | {ratio:.2f} |")
+    return lines
+
+
+def run_report(plan: ReportPlan) -> str:
+    """Run everything the plan asks for; returns (and writes) the report's markdown."""
+    plan.out.mkdir(parents=True, exist_ok=True)
+    trace = load_workload(f"mooncake:{plan.trace}", plan.seed, plan.num_requests)
+    lines = [f"## Routing report: {trace.name}", "",
+             f"Command: `prefixlb bench report {' '.join(sys.argv[3:]) if len(sys.argv) > 3 else ''}`".rstrip(),
+             f"Plan: `{json.dumps(dataclasses.asdict(plan), default=str)}`", ""]
+    sim_main: list[tuple[str, dict, dict]] = []
+    if plan.sim:
+        for n in plan.fleet_sizes:
+            speed = plan.speedup * n / plan.workers
+            rows = sim_scenario(plan, f"mooncake-{n}w", trace, n, 512, speed)
+            if n == plan.workers:
+                sim_main = rows
+            lines += section(f"Simulator: Mooncake trace, {n} workers, speed-up {speed:g}", rows, http=False)
+        for name, opts in GENERATED.items():
+            wl = load_workload(name, plan.seed, plan.generated_requests, opts)
+            rows = sim_scenario(plan, name, wl, plan.workers, 64, 1.0)
+            lines += section(f"Simulator: {name} ({', '.join(opts)}), {plan.workers} workers", rows, http=False)
+        (plan.out / "report.md").write_text("\n".join(lines) + "\n")
+    if plan.http:
+        http_rows = [http_run(plan, "upper bound", trace, "upper", "none")]
+        for label, policy, a in prefixlb_rows(plan.affinities):
+            if plan.http_policies and policy not in plan.http_policies:
+                continue
+            http_rows.append(http_run(plan, label, trace, "prefixlb", policy, a))
+        if plan.peers:
+            for peer, policy in (("sglang-router", "cache_aware"), ("vllm-router", "cache_aware"),
+                                 ("vllm-router", "consistent_hash")):
+                try:
+                    http_rows.append(http_run(plan, f"{peer} {policy}", trace, peer, policy))
+                except (PeerError, ClusterError) as exc:
+                    lines.append(f"- {peer} {policy}: not measured: {exc}")
+        lines += section(f"HTTP replay: {plan.workers} simulated workers, time-scale {plan.time_scale:g}, "
+                         f"speed-up {plan.speedup:g}", http_rows, http=True)
+        if sim_main:
+            lines += ["### Simulator vs HTTP replay (same trace, fleet and policies)", "",
+                      *validation(sim_main, http_rows), ""]
+    text = "\n".join(lines) + "\n"
+    (plan.out / "report.md").write_text(text)
+    return text
+
+
+def main(argv: list[str]) -> int:
+    """``prefixlb bench report``."""
+    p = argparse.ArgumentParser(prog="prefixlb bench report", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake trace")
+    p.add_argument("--out", default="runs/report")
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--kv-blocks", type=int, default=16000, help="KV blocks (16 tokens) per worker")
+    p.add_argument("--speedup", type=float, default=1.0)
+    p.add_argument("--time-scale", type=float, default=5.0, help="simulated workers' speed for the HTTP replay")
+    p.add_argument("--affinities", default="0.5,0.8,1")
+    p.add_argument("--num-requests", type=int, default=None, help="replay only the first N requests")
+    p.add_argument("--generated-requests", type=int, default=4000)
+    p.add_argument("--no-http", action="store_true", help="simulator only")
+    p.add_argument("--no-sim", action="store_true", help="HTTP replay only")
+    p.add_argument("--no-peers", action="store_true", help="skip sglang-router and vllm-router")
+    p.add_argument("--http-policies", default="", help="only these prefixlb policies over HTTP (comma list)")
+    p.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="Redis for prefixlb's KV events ('' = none)")
+    args = p.parse_args(argv)
+    plan = ReportPlan(trace=args.trace, workers=args.workers, kv_blocks=args.kv_blocks, speedup=args.speedup,
+                      time_scale=args.time_scale,
+                      affinities=tuple(float(a) for a in args.affinities.split(",") if a.strip()),
+                      num_requests=args.num_requests, generated_requests=args.generated_requests,
+                      http=not args.no_http, peers=not args.no_peers, sim=not args.no_sim,
+                      redis=args.redis or None, out=Path(args.out),
+                      http_policies=tuple(x for x in args.http_policies.split(",") if x))
+    print(run_report(plan))
+    print(f"written to {plan.out / 'report.md'}")
+    return 0
