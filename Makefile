@@ -47,5 +47,9 @@ test-fast: install-test
 test-slow: install-test redis
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
+## make bench-engine: the engine benchmarks of issue 2 (small model on CPU; tens of minutes on 2 cores).
+bench-engine: install-test
+	$(PY) -m bench.engine all --json bench-engine.json
+
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
