@@ -17,7 +17,8 @@ Two parts:
    hashes, 60% of them sharing a prefix with earlier ones), a KV event confirming every
    request's new blocks; CPU time of ``decide`` alone and of a whole request's bookkeeping
    (``decide + dispatch + first_byte + apply_kv_event + finish``), projected to one million
-   (the simulator's budget: 60 s). CPU time, because the machine is shared.
+   (the simulator's budget: 60 s). CPU time, because the machine is shared. And ``decide`` when
+   all 1,000 workers hold the same system prompt (the candidate set must not grow with them).
 """
 from __future__ import annotations
 
@@ -158,6 +159,23 @@ def simulator_scale(decisions: int, workers: int = 1000, seed: int = 1) -> dict:
             "projected_1m_requests_s": total_cpu * 1_000_000 / decisions}
 
 
+def shared_system_prompt(decisions: int, workers: int = 1000, seed: int = 2) -> float:
+    """CPU µs per ``decide`` when every worker holds the same 10-chunk system prompt."""
+    rng = random.Random(seed)
+    b = fleet(workers, 1.0)
+    system = [rng.getrandbits(64) for _ in range(10)]
+    for i in range(workers):
+        b.apply_kv_event(KVEvent(f"w{i}", "stored", system, chunk_size=CHUNK), 0.0)
+    keys = [PromptKey("sim", 30 * CHUNK, system + [rng.getrandbits(64) for _ in range(20)], rng.getrandbits(64))
+            for _ in range(decisions)]
+    b.ring.owner(0)
+    gc.collect()
+    c0 = time.thread_time()
+    for key in keys:
+        b.decide(key, 1.0)
+    return 1e6 * (time.thread_time() - c0) / decisions
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run both parts and print a table (and JSON with ``--json``)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -167,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     repeat = 100 if args.quick else 400
     rows = per_request(repeat)
     sim = simulator_scale(20_000 if args.quick else 100_000)
+    sim["shared_system_prompt_decide_cpu_us"] = shared_system_prompt(2_000 if args.quick else 10_000)
     print(f"# decision time  ({platform.python_implementation()} {platform.python_version()}, "
           f"{platform.machine()}, repeat={repeat}, load average {os.getloadavg()[0]:.1f})")
     print("tokens  B/tok  chunk  chunks  parse_p50  hash_p50  hash_p99  decide_p50  decide_p99  total_p50"
@@ -189,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
           f"(decide + dispatch + first_byte + KV event + finish); 1M decisions ~ "
           f"{sim['projected_1m_decide_s']:.0f} s, 1M requests ~ {sim['projected_1m_requests_s']:.0f} s "
           f"(budget 60 s)")
+    print(f"  with one 10-chunk system prompt held by all {sim['workers']} workers: decide "
+          f"{sim['shared_system_prompt_decide_cpu_us']:.1f} µs CPU (only the longest matches are scored)")
     if args.json:
         print(json.dumps({"per_request": rows, "simulator_scale": sim}, indent=2))
     return 0

@@ -45,6 +45,23 @@ from router.prompt import PromptKey
 from router.ring import DEFAULT_VNODES, WorkerRing
 
 
+class _DepthLookup(dict):
+    """The longest matches, and for any other worker its depth looked up on demand.
+
+    Used when too many workers hold the request's first chunk to list them all (see
+    ``PrefixIndex.match_top``): ``keys()`` are the longest matches, ``get`` answers for anyone.
+    """
+
+    def __init__(self, top: dict[str, int], index: PrefixIndex, hashes: list[int], now: float) -> None:
+        super().__init__(top)
+        self._index, self._hashes, self._now = index, hashes, now
+
+    def get(self, worker_id: str, default: int = 0) -> int:  # type: ignore[override]
+        if worker_id in self:
+            return self[worker_id]
+        return self._index.depth_of(self._hashes, worker_id, self._now) or default
+
+
 @dataclass(slots=True, eq=False)
 class Booking:
     """A dispatched request: its decision, its prompt and its in-flight ticket."""
@@ -151,7 +168,9 @@ class Balancer:
                config: PolicyConfig | None = None) -> Decision:
         """Choose a worker for ``prompt``; raises ``NoCapacity`` when none can take it."""
         cfg = config or self.config
-        matches = self.index.match(prompt.hashes, now) if prompt.hashes else {}
+        matches, complete = self.index.match_top(prompt.hashes, now, cfg.match_candidates)
+        if not complete:
+            matches = _DepthLookup(matches, self.index, prompt.hashes, now)
         prompt_tokens = self.estimate_tokens(prompt)
         sequence = next(self._sequence)
         request = RouteRequest(prompt_tokens, affinity, prompt.session_key is not None, sequence)
@@ -175,7 +194,7 @@ class Balancer:
         ring = self.ring
         successors = [w for w in ring.successors(prompt.ring_key, cfg.ring_candidates + len(exclude))
                       if w not in exclude][:cfg.ring_candidates]
-        ids = dict.fromkeys(w for w in matches if w in ring and w not in exclude)
+        ids = dict.fromkeys(w for w in matches.keys() if w in ring and w not in exclude)
         ids.update(dict.fromkeys(successors))
         ids.update(dict.fromkeys(self.board.least_loaded(cfg.load_candidates, now, exclude)))
         return list(ids), successors

@@ -60,6 +60,8 @@ class RouterConfig:
                                       minimum=1.0)
     ring_candidates: int = setting(3, "ring successors of the key a decision considers", minimum=1)
     load_candidates: int = setting(2, "least-loaded workers a decision considers", minimum=0)
+    match_candidates: int = setting(8, "most prefix holders a decision considers (the longest matches)",
+                                    minimum=1)
     vnodes: int = setting(160, "virtual nodes per worker on the ring", minimum=1)
     tokens_per_byte: float = setting(0.25, "tokens per rendered byte until learned from the workers",
                                      minimum=0.001, maximum=4.0)
@@ -94,7 +96,7 @@ class RouterConfig:
         return PolicyConfig(policy=self.policy, affinity=self.affinity, tie_tolerance=self.tie_tolerance,
                             attention_knee_tokens=self.attention_knee_tokens,
                             hash_load_factor=self.hash_load_factor, ring_candidates=self.ring_candidates,
-                            load_candidates=self.load_candidates)
+                            load_candidates=self.load_candidates, match_candidates=self.match_candidates)
 
     def speed_profile(self) -> SpeedProfile:
         """The speed assumed for a worker until its reports say otherwise."""

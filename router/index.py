@@ -81,16 +81,31 @@ class PrefixIndex:
 
         Matched hashes become most recently used: a prefix in use is the one most worth keeping.
         """
+        return self.match_top(hashes, now, None)[0]
+
+    def match_top(self, hashes: Sequence[int], now: float, limit: int | None) -> tuple[dict[str, int], bool]:
+        """Like :meth:`match`, but at most ``limit`` workers: those with the longest matches.
+
+        Returns ``(matches, complete)``; ``complete`` is False when more workers than ``limit``
+        hold the first chunk and only the ``limit`` longest were kept (then use
+        :meth:`depth_of` for any other worker). That case -- a system prompt every worker
+        holds -- must not cost O(workers): it binary-searches the deepest chunk anyone holds
+        and walks back from there, which assumes each worker's holdings are prefix-closed
+        (true of a prefix cache: it evicts a chain from its tail, and a ``removed`` event for a
+        middle chunk is only honoured exactly on the walk below).
+        """
         if not hashes:
-            return {}
+            return {}, True
         get = self._map.get
         entry = get(hashes[0])
         if not entry:
-            return {}
+            return {}, True
+        if limit is not None and len(entry) > limit:
+            return self._match_many(hashes, now, limit)
         live = self._live
         holders = [h for h, exp in entry.items() if exp > now and live.get(h.worker_id) is h]
         if not holders:
-            return {}
+            return {}, True
         touch = self._map.move_to_end
         touch(hashes[0])
         result: dict[str, int] = {}
@@ -105,7 +120,7 @@ class PrefixIndex:
                     break
                 touch(hashes[i])
                 i += 1
-            return {only.worker_id: i}
+            return {only.worker_id: i}, True
         while i < n:
             entry = get(hashes[i])
             if entry is None:
@@ -123,7 +138,58 @@ class PrefixIndex:
             i += 1
         for h in holders:
             result[h.worker_id] = i
-        return result
+        return result, True
+
+    def _live_in(self, entry: dict[_Holder, float], now: float) -> bool:
+        live = self._live
+        for holder, exp in entry.items():
+            if exp > now and live.get(holder.worker_id) is holder:
+                return True
+        return False
+
+    def _match_many(self, hashes: Sequence[int], now: float, limit: int) -> tuple[dict[str, int], bool]:
+        get = self._map.get
+        lo, hi = 0, len(hashes)  # hashes[:lo] have a live holder; find the largest such lo
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            entry = get(hashes[mid - 1])
+            if entry and self._live_in(entry, now):
+                lo = mid
+            else:
+                hi = mid - 1
+        if lo == 0:
+            return {}, True
+        touch = self._map.move_to_end
+        for h in hashes[:lo]:
+            touch(h)
+        live = self._live
+        result: dict[str, int] = {}
+        level = lo
+        while level > 0 and len(result) < limit:
+            entry = get(hashes[level - 1])
+            if entry:
+                for holder, exp in entry.items():
+                    worker_id = holder.worker_id
+                    if worker_id not in result and exp > now and live.get(worker_id) is holder:
+                        result[worker_id] = level  # first seen walking back: its deepest chunk
+                        if len(result) >= limit:
+                            break
+            level -= 1
+        return result, False
+
+    def depth_of(self, hashes: Sequence[int], worker_id: str, now: float) -> int:
+        """How many leading hashes of ``hashes`` ``worker_id`` holds (no LRU side effect)."""
+        holder = self._live.get(worker_id)
+        if holder is None:
+            return 0
+        get = self._map.get
+        i = 0
+        for h in hashes:
+            entry = get(h)
+            if entry is None or entry.get(holder, 0.0) <= now:
+                break
+            i += 1
+        return i
 
     def insert(self, hashes: Iterable[int], worker_id: str, now: float, confirmed: bool) -> None:
         """Record that ``worker_id`` holds each prefix in ``hashes``.

@@ -59,6 +59,7 @@ class PolicyConfig:
     hash_load_factor: float = 1.25
     ring_candidates: int = 3
     load_candidates: int = 2
+    match_candidates: int = 8  # most prefix holders scored (the longest matches)
 
 
 @dataclass(slots=True)

@@ -6,7 +6,7 @@ import pytest
 from protocol import KVEvent, LoadReport
 from router.balancer import Balancer
 from router.load import LoadBoard, SpeedProfile
-from router.policy import NoCapacity, PolicyConfig
+from router.policy import NoCapacity, PolicyConfig, prefill_seconds
 from router.prompt import PromptKey, prompt_key
 
 WORKERS = ["w1", "w2", "w3", "w4"]
@@ -223,3 +223,25 @@ def test_excluded_and_unroutable_workers_are_never_chosen():
         b.set_routable(w, False)
     with pytest.raises(NoCapacity):
         b.decide(p, now=0.0)
+
+
+def test_a_prefix_held_by_many_workers_is_scored_on_its_longest_matches_only():
+    board = LoadBoard(SpeedProfile(prefill_tokens_per_s=1000.0, decode_step_s=0.0, block_size=16))
+    b = Balancer(PolicyConfig(match_candidates=2), chunk_size=128, board=board, tokens_per_byte=1.0)
+    workers = [f"w{i}" for i in range(12)]
+    for w in workers:
+        b.add_worker(w, block_size=16)
+    p = key(DOC[:2000])
+    for w in workers:
+        b.apply_kv_event(KVEvent(w, "stored", p.hashes[:3], chunk_size=128), now=0.0)  # a system prompt
+    b.apply_kv_event(KVEvent("w9", "stored", p.hashes[:12], chunk_size=128), now=0.0)
+    ids, successors = b.candidate_ids(p, b.index.match_top(p.hashes, 1.0, 2)[0], now=1.0)
+    assert len(ids) <= 2 + 3 + 2  # not all 12 holders
+    d = b.decide(p, now=1.0)
+    assert (d.worker_id, d.reason, d.predicted_cached_tokens) == ("w9", "prefix", 1536)
+    # Candidates outside the longest matches still get their own (shorter) match: the ring
+    # owner is scored with its 3 chunks' bonus, below a cold prefill.
+    owner = b.ring.owner(p.ring_key)
+    costs = dict(d.costs)
+    cold = prefill_seconds(d.prompt_tokens, 0, 1000.0, 32768.0)
+    assert owner != "w9" and costs[owner] < cold

@@ -118,3 +118,32 @@ def test_entries_can_be_exported_in_slices_while_the_index_changes():
     assert hashes == [1, 2, 3, 4]
     assert index.entries_for(hashes[:2], now=5.0) == [(1, "A", 3595.0)]
     assert index.entries_for(hashes[2:], now=11.0) == [(3, "A", 3589.0)]  # B's entry expired
+
+
+def test_with_more_holders_than_the_limit_only_the_longest_matches_are_listed():
+    # A system prompt (h_1, h_2) every worker holds; two of them hold longer prefixes.
+    index = PrefixIndex()
+    for w in range(10):
+        index.insert(CHAIN[:2], f"w{w}", now=0.0, confirmed=True)
+    index.insert(CHAIN[:5], "w7", now=0.0, confirmed=True)
+    index.insert(CHAIN[:4], "w3", now=0.0, confirmed=True)
+    top, complete = index.match_top(CHAIN, now=1.0, limit=3)
+    assert not complete
+    assert (len(top), top["w7"], top["w3"]) == (3, 5, 4)
+    assert list(top.values())[2] == 2  # one of the system-prompt holders
+    assert index.depth_of(CHAIN, "w5", now=1.0) == 2
+    assert index.depth_of(CHAIN, "nobody", now=1.0) == 0
+    # Under the limit the answer is the full, exact one.
+    assert index.match_top(CHAIN, now=1.0, limit=None) == (index.match(CHAIN, now=1.0), True)
+    assert len(index.match(CHAIN, now=1.0)) == 10
+
+
+def test_the_longest_match_search_skips_expired_and_cleared_holders():
+    index = PrefixIndex(optimistic_ttl_s=10.0)
+    for w in range(5):
+        index.insert(CHAIN[:2], f"w{w}", now=0.0, confirmed=True)
+    index.insert(CHAIN, "w1", now=0.0, confirmed=False)   # expires at 10
+    index.insert(CHAIN[:4], "w2", now=0.0, confirmed=True)
+    index.clear_worker("w2")
+    top, _ = index.match_top(CHAIN, now=11.0, limit=2)
+    assert set(top.values()) == {2}
