@@ -80,7 +80,6 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         kv = self.kv_cache_manager
         scheduled: list[tuple[Sequence, int]] = []
-        scheduled_ids: set[str] = set()
         preempted = False
 
         i = 0
@@ -88,16 +87,13 @@ class Scheduler:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
             while not kv.allocate_slots(seq, n):
-                victim = self.running[-1]
-                if victim.request_id in scheduled_ids:
-                    raise RuntimeError("preemption victim already scheduled")  # cannot happen
+                victim = self.running[-1]  # never scheduled yet: it sits at or after ``seq``
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
                     break
             else:
                 scheduled.append((seq, n))
-                scheduled_ids.add(seq.request_id)
                 budget -= n
                 i += 1
                 continue
