@@ -176,7 +176,10 @@ def goal_checks(rows: list[tuple[str, dict, dict]], http: bool) -> list[str]:
             best = min(p["ttft_ms"]["p50"] for p in peers)
             checks.append(("p50 <= peers", t["p50"] <= best, f"{t['p50'] / best:.2f} x best peer"))
         checks.append(("imbalance <= 1.15", s["imbalance"] <= 1.15, f"{s['imbalance']:.2f}"))
-        checks.append(("zero errors", s["errors"] == 0, str(s["errors"])))
+        # The trace holds prompts longer than the model's context: every router (and the upper
+        # bound) gets the same 400s for those, so only errors beyond them count.
+        floor = upper["errors"] if upper else 0
+        checks.append(("no errors beyond over-long prompts", s["errors"] <= floor, f"{s['errors']} vs {floor}"))
         text = "; ".join(f"{name} {'✅' if ok else '❌'} ({value})" for name, ok, value in checks)
         lines.append(f"- {label}: {text}")
     return lines

@@ -39,6 +39,7 @@ class FleetConfig:
     speedup: float = 1.0
     upper_bound: bool = False  # one worker with the whole fleet's capacity and compute
     decode_runs: bool = True  # sum runs of decode-only steps in closed form (False: step by step)
+    max_model_len: int | None = None  # default: the model profile's context length
     router: SimRouterConfig = field(default_factory=SimRouterConfig)
 
 
@@ -78,6 +79,7 @@ def simulate(workload: Workload, cfg: FleetConfig) -> SimResult:
     latency = build_latency(cfg)
     workers = build_workers(cfg, latency)
     prefill_rate, decode_step = latency.nominal_speed()
+    max_len = cfg.max_model_len or latency.model.max_model_len
     router = SimRouter(workers, cfg.router, cfg.unit, cfg.block_size, prefill_rate, decode_step)
     by_id = {w.worker_id: i for i, w in enumerate(workers)}
     heap: list[tuple[float, int, int, int]] = []  # (time, seq, worker index, worker version)
@@ -127,6 +129,9 @@ def simulate(workload: Workload, cfg: FleetConfig) -> SimResult:
         req = SimRequest(spec.index, now, unit_hashes(spec.segments, cfg.unit),
                          spec.prompt_tokens + cfg.bos_tokens, spec.max_tokens, spec.session)
         requests.append(req)
+        if req.num_prompt + 1 > max_len:  # the worker answers 400, as vLLM does
+            req.error = f"prompt of {req.num_prompt} tokens exceeds the context length {max_len}"
+            continue
         if not workers[0].fits(req):
             req.error = "prompt and max_tokens do not fit the worker's KV cache"
             continue

@@ -18,17 +18,18 @@ Differences, for speed (1,000 workers × 1,000,000 requests is the target):
   512-token blocks), so the cached-token counts are the engine's up to the last partial unit;
 - prompt blocks only carry hashes (the engine also registers full blocks of generated tokens,
   which no later prompt of our workloads can match; here they are freed as plain blocks);
-- runs of decode-only steps between events are summed in closed form (:meth:`_decode_run`)
+- runs of decode-only steps between events are summed in closed form (:mod:`bench.sim.decode_run`)
   instead of stepping one by one: the batch is fixed until a request finishes, needs a new block
   or a new request arrives, and the roofline time of each step is affine in its index.
 """
 from __future__ import annotations
 
-import math
 from collections import deque
 
 from worker.kv_cache import BlockPool, BlockRemoved, BlockStored
 from worker.simulator.latency import LatencyModel, StepShape
+
+from bench.sim.decode_run import decode_run_time, decode_steps_done_by
 
 
 def cdiv(a: int, b: int) -> int:
@@ -233,30 +234,10 @@ class SimWorker:
         return max(needed, 0) + evictable <= self.pool.get_num_free_blocks()
 
     def _run_time(self, c0: float, c1: float, m0: float, m1: float, k: int) -> float:
-        """Sum over steps i < k of overhead + max(c0 + c1·i, m0 + m1·i)."""
-        def affine_sum(a: float, b: float, i0: int, i1: int) -> float:
-            return (i1 - i0) * a + b * (i0 + i1 - 1) * (i1 - i0) / 2.0 if i1 > i0 else 0.0
-
-        total = self._oh * k
-        d0, d1 = c0 - m0, c1 - m1  # step i is compute-bound exactly when d0 + d1·i >= 0
-        if d1 == 0.0:
-            return total + (affine_sum(c0, c1, 0, k) if d0 >= 0 else affine_sum(m0, m1, 0, k))
-        if d1 > 0:  # memory-bound first, compute-bound from ``cross`` on
-            cross = min(k, max(0, math.ceil(-d0 / d1)))
-            return total + affine_sum(m0, m1, 0, cross) + affine_sum(c0, c1, cross, k)
-        cross = min(k, max(0, math.floor(d0 / -d1) + 1)) if d0 >= 0 else 0  # compute-bound first
-        return total + affine_sum(c0, c1, 0, cross) + affine_sum(m0, m1, cross, k)
+        return decode_run_time(self._oh, c0, c1, m0, m1, k)
 
     def _steps_done_by(self, elapsed: float, c0: float, c1: float, m0: float, m1: float, k: int) -> int:
-        """How many steps of a run have ended ``elapsed`` seconds after it started."""
-        lo, hi = 0, k
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self._run_time(c0, c1, m0, m1, mid) <= elapsed:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return decode_steps_done_by(elapsed, self._oh, c0, c1, m0, m1, k)
 
     def _cached_prefix(self, req: SimRequest) -> tuple[list, int]:
         pool = self.pool
