@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import aiohttp
 import pytest
 
+from protocol import LoadReport
 from router.prompt import prompt_key
 from tests.integration.router_harness import USAGE, running_router, scripted_workers, wait_until
 
@@ -216,3 +218,37 @@ async def test_the_admin_api_needs_the_token_and_manages_workers_and_config():
         assert cfg["runtime"] == {"affinity": 0.3, "policy": "least_load"}
         assert cfg["settings"]["admin_token"] == "***"
         assert ctx.balancer.config.policy == "least_load"
+
+
+async def test_the_affinity_header_overrides_the_routers_affinity_per_request():
+    async with scripted_workers("w1", "w2") as workers, \
+            running_router("--health-interval", "60", *[a for w in workers for a in ("--worker", w.url)]) as (ctx, url):
+        await _ready(ctx, 2)
+        key = prompt_key(BODY, False, ctx.config.chunk_size, ctx.config.ring_key_chunks)
+        holder = _owner(ctx, BODY)
+        other = next(w.worker_id for w in workers if w.worker_id != holder)
+        now = time.time()
+        ctx.balancer.index.insert(key.hashes, holder, now, confirmed=True)
+        # The holder has a minute of prefill queued: only blind affinity still sends work there.
+        ctx.balancer.apply_report(LoadReport(holder, queued_prefill_tokens=240_000, ts=now), now)
+        async with aiohttp.ClientSession() as http:
+            chosen = {}
+            for affinity in ("1", "0"):
+                async with http.post(url + "/v1/completions", json=BODY,
+                                     headers={"X-Prefixlb-Affinity": affinity}) as resp:
+                    chosen[affinity] = (resp.headers["X-Prefixlb-Worker"], resp.headers["X-Prefixlb-Route-Reason"])
+        assert chosen == {"1": (holder, "prefix"), "0": (other, "least_load")}
+
+
+async def test_a_session_header_keeps_a_conversation_on_its_ring_position():
+    async with scripted_workers("w1", "w2", "w3") as workers, \
+            running_router(*[a for w in workers for a in ("--worker", w.url)]) as (ctx, url):
+        await _ready(ctx, 3)
+        placed = set()
+        async with aiohttp.ClientSession() as http:
+            for i in range(4):
+                body = {**BODY, "prompt": f"turn {i}: something unrelated to the previous turn"}
+                async with http.post(url + "/v1/completions", json=body,
+                                     headers={"X-Session-Id": "conversation-42"}) as resp:
+                    placed.add((resp.headers["X-Prefixlb-Worker"], resp.headers["X-Prefixlb-Route-Reason"]))
+        assert len(placed) == 1 and next(iter(placed))[1] == "session"
