@@ -24,8 +24,9 @@ endpoint (``PromptKey.ratio_key``: a chat template adds tokens a completion does
 matched chunks of a ``P``-token prompt: a worker's prefix cache only ever serves whole blocks,
 and always recomputes the last prompt token.
 
-**Feedback.** When a worker reports fewer cached tokens than predicted (by more than a block),
-the entries past what it reported are demoted to short-lived optimistic ones, and after
+**Feedback.** When a worker reports fewer cached tokens than predicted (by more than a chunk's
+tokens and a block: the prediction's own granularity), the entries past what it reported are
+demoted to short-lived optimistic ones, and after
 ``feedback_clear_after`` such misses in a row the worker's entries are cleared (its cache
 evidently no longer matches what we believe: a restart, lost events). For workers that send no
 KV events (an unmodified vLLM / SGLang backend), reported hits also confirm entries.
@@ -296,7 +297,8 @@ class Balancer:
         chunk_tokens = max(1e-9, self.chunk_size * self.tokens_per_byte(prompt.ratio_key))
         covered = min(len(prompt.hashes), int(cached // chunk_tokens))
         has_events = worker_id in self._event_sources
-        if cached + block < booking.decision.predicted_cached_tokens:
+        # Within the prediction's own granularity (one chunk's tokens + one block) is not a miss.
+        if cached + block + chunk_tokens < booking.decision.predicted_cached_tokens:
             self.index.demote(prompt.hashes[covered:], worker_id, now)
             streak = self._miss_streak.get(worker_id, 0) + 1
             if streak >= self.feedback_clear_after:
