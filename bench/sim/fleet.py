@@ -108,7 +108,7 @@ def simulate(workload: Workload, cfg: FleetConfig) -> SimResult:
             head = heap[0][0]
             if interval > 0 and next_report <= min(head, t):
                 for w in workers:
-                    router.report(w, next_report, prefill_rate, decode_step)
+                    router.report(w, next_report, w.speed.prefill_tokens_per_s, w.speed.decode_step_s)
                 next_report += interval
                 continue
             if head > t:

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections import deque
 
 from worker.kv_cache import BlockPool, BlockRemoved, BlockStored
+from worker.stats import SpeedMeter
 from worker.simulator.latency import LatencyModel, StepShape
 
 from bench.sim.decode_run import decode_run_time, decode_steps_done_by
@@ -99,6 +100,10 @@ class SimWorker:
         self._run: tuple[float, float, float, float, int] | None = None  # (c0, c1, m0, m1, k)
         self.busy_s = 0.0
         self.num_preemptions = 0
+        # Measured speed, as the engine measures it (``worker.stats.SpeedMeter``) and reports it.
+        self.speed = SpeedMeter(*latency.nominal_speed())
+        self._step_work = (0, 0)  # (prefill tokens, decoding sequences) of the step in flight
+        self._decodes = 0
         # Sums the policy reads as load, kept incrementally (no per-decision scans).
         self.queued_prefill_tokens = 0
         self.running_tokens = 0
@@ -145,7 +150,11 @@ class SimWorker:
         """The step or run in flight ended at ``now``: apply it, start the next one."""
         self.busy_s += now - self._start
         if self._run is not None:
-            k = self._run[4]
+            c0, c1, m0, m1, k = self._run
+            b = len(self._batch)
+            observe, oh = self.speed.observe, self._oh
+            for i in range(k):  # the engine measures every step; so does the simulated one
+                observe(oh + max(c0 + c1 * i, m0 + m1 * i), 0, b)
             done = []
             for req in self._batch:
                 req.num_output += k
@@ -155,6 +164,7 @@ class SimWorker:
             self.running_tokens += k * len(self._batch)
             self._finish(done, now)
         else:
+            self.speed.observe(now - self._start, *self._step_work)
             self._apply_step(now)
         self._run = None
         self._batch = []
@@ -199,6 +209,7 @@ class SimWorker:
             self._end = None
             return None
         self._batch = batch
+        self._step_work = (shape.tokens - self._decodes, self._decodes)
         self._end = now + self.latency.step_time(shape)
         return self._end
 
@@ -339,6 +350,7 @@ class SimWorker:
             shape.add_prefill(n, hit_tokens, samples=hit_tokens + n == req.num_tokens)
             budget -= n
         # Decodes summed at once: what ``StepShape.add_decode`` adds, per decoding sequence.
+        self._decodes = decodes
         shape.tokens += decodes
         shape.sampled += decodes
         shape.attention_pairs += decode_ctx
