@@ -55,9 +55,8 @@ def check_token(header: str | None, token: str | None) -> None:
 
 @web.middleware
 async def admin_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Guard every /admin/ route with the bearer token."""
-    if request.path.startswith("/admin"):
-        check_token(request.headers.get("Authorization"), request.app[CONTEXT].config.admin_token)
+    """Guard every route of the admin sub-application with the bearer token."""
+    check_token(request.headers.get("Authorization"), request.config_dict[CONTEXT].config.admin_token)
     return await handler(request)
 
 
@@ -86,12 +85,12 @@ def _worker_view(ctx: RouterContext, now: float) -> list[dict[str, Any]]:
 
 async def list_workers(request: web.Request) -> web.Response:
     """``GET /admin/workers``."""
-    return web.json_response({"workers": _worker_view(request.app[CONTEXT], time.time())})
+    return web.json_response({"workers": _worker_view(request.config_dict[CONTEXT], time.time())})
 
 
 async def add_worker(request: web.Request) -> web.Response:
     """``POST /admin/workers`` with ``{"url": ...}``."""
-    ctx = request.app[CONTEXT]
+    ctx = request.config_dict[CONTEXT]
     body = await _json(request)
     try:
         w = ctx.registry.add(body.get("url"), "admin")  # type: ignore[arg-type]
@@ -103,7 +102,7 @@ async def add_worker(request: web.Request) -> web.Response:
 
 async def remove_worker(request: web.Request) -> web.Response:
     """``DELETE /admin/workers/{id}``."""
-    w = request.app[CONTEXT].registry.remove(request.match_info["key"])
+    w = request.config_dict[CONTEXT].registry.remove(request.match_info["key"])
     if w is None:
         raise _error(404, "No such worker", "not_found_error", "worker_not_found")
     return web.json_response(w.to_dict())
@@ -111,7 +110,7 @@ async def remove_worker(request: web.Request) -> web.Response:
 
 async def drain_worker(request: web.Request) -> web.Response:
     """``POST /admin/workers/{id}/drain``."""
-    w = request.app[CONTEXT].registry.drain(request.match_info["key"])
+    w = request.config_dict[CONTEXT].registry.drain(request.match_info["key"])
     if w is None:
         raise _error(404, "No such worker", "not_found_error", "worker_not_found")
     return web.json_response(w.to_dict())
@@ -119,13 +118,13 @@ async def drain_worker(request: web.Request) -> web.Response:
 
 async def get_config(request: web.Request) -> web.Response:
     """``GET /admin/config``."""
-    ctx = request.app[CONTEXT]
+    ctx = request.config_dict[CONTEXT]
     return web.json_response({"settings": describe(ctx.config), "runtime": ctx.runtime_config()})
 
 
 async def set_config(request: web.Request) -> web.Response:
     """``PUT /admin/config``: change ``affinity`` / ``policy`` here and, via Redis, everywhere."""
-    ctx = request.app[CONTEXT]
+    ctx = request.config_dict[CONTEXT]
     body = await _json(request)
     try:
         runtime = ctx.apply_runtime(body)
@@ -143,7 +142,7 @@ async def set_config(request: web.Request) -> web.Response:
 
 async def index_stats(request: web.Request) -> web.Response:
     """``GET /admin/index``."""
-    ctx = request.app[CONTEXT]
+    ctx = request.config_dict[CONTEXT]
     index = ctx.balancer.index
     stats = index.stats
     return web.json_response({"entries": len(index), "max_entries": index.max_entries,
@@ -153,12 +152,14 @@ async def index_stats(request: web.Request) -> web.Response:
                               "stream_id": ctx.state.last_id if ctx.state else None})
 
 
-def add_admin_routes(app: web.Application) -> None:
-    """Register the /admin/ routes."""
-    app.router.add_get("/admin/workers", list_workers)
-    app.router.add_post("/admin/workers", add_worker)
-    app.router.add_delete("/admin/workers/{key:.+}", remove_worker)
-    app.router.add_post("/admin/workers/{key}/drain", drain_worker)
-    app.router.add_get("/admin/config", get_config)
-    app.router.add_put("/admin/config", set_config)
-    app.router.add_get("/admin/index", index_stats)
+def admin_app() -> web.Application:
+    """The /admin/ sub-application (its own auth middleware, so inference requests skip it)."""
+    app = web.Application(middlewares=[admin_auth])
+    app.router.add_get("/workers", list_workers)
+    app.router.add_post("/workers", add_worker)
+    app.router.add_delete("/workers/{key:.+}", remove_worker)
+    app.router.add_post("/workers/{key}/drain", drain_worker)
+    app.router.add_get("/config", get_config)
+    app.router.add_put("/config", set_config)
+    app.router.add_get("/index", index_stats)
+    return app

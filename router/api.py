@@ -40,7 +40,7 @@ def json_error(err: OpenAIError) -> web.Response:
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Map every failure to an OpenAI-shaped error; nothing reaches the client as a bare 500."""
-    ctx = request.app[CONTEXT]
+    ctx = request.config_dict[CONTEXT]
     try:
         response = await handler(request)
     except OpenAIError as err:

@@ -12,7 +12,7 @@ import signal
 
 from aiohttp import web
 
-from router.admin import add_admin_routes, admin_auth
+from router.admin import admin_app
 from router.api import CONTEXT, add_routes, error_middleware
 from router.config import RouterConfig
 from router.context import RouterContext, build_context, start, stop
@@ -22,11 +22,10 @@ log = logging.getLogger("prefixlb.router")
 
 def build_app(ctx: RouterContext) -> web.Application:
     """An application serving ``ctx`` (its parts are started by :func:`serve`)."""
-    app = web.Application(middlewares=[error_middleware, admin_auth],
-                          client_max_size=ctx.config.max_body_bytes)
+    app = web.Application(middlewares=[error_middleware], client_max_size=ctx.config.max_body_bytes)
     app[CONTEXT] = ctx
     add_routes(app)
-    add_admin_routes(app)
+    app.add_subapp("/admin/", admin_app())
     return app
 
 
