@@ -70,6 +70,7 @@ class ReportPlan:
     fleet_sizes: tuple[int, ...] = (4, 8, 16)
     seed: int = 0
     http_policies: tuple[str, ...] = field(default=())
+    http_from: Path | None = None  # reuse the HTTP runs of an earlier report instead of replaying
 
 
 def prefixlb_rows(affinities: tuple[float, ...]) -> list[tuple[str, str, float | None]]:
@@ -215,6 +216,19 @@ def validation(sim_rows: list[tuple[str, dict, dict]], http_rows: list[tuple[str
     return lines
 
 
+def load_http_rows(report_dir: Path) -> list[tuple[str, dict, dict]]:
+    """The HTTP rows of an earlier report directory, in the order the report runs them."""
+    order = ["upper bound", *(label for label, _, _ in prefixlb_rows((0.5, 0.8, 1.0))), "sglang-router cache_aware",
+             "vllm-router cache_aware", "vllm-router consistent_hash"]
+    rows = []
+    for run_dir in sorted((Path(report_dir) / "http").iterdir()):
+        if (run_dir / "summary.json").exists():
+            meta = json.loads((run_dir / "meta.json").read_text())
+            rows.append((meta["label"], json.loads((run_dir / "summary.json").read_text()), meta))
+    rank = {label: i for i, label in enumerate(order)}
+    return sorted(rows, key=lambda r: rank.get(r[0], len(order)))
+
+
 def run_report(plan: ReportPlan) -> str:
     """Run everything the plan asks for; returns (and writes) the report's markdown."""
     plan.out.mkdir(parents=True, exist_ok=True)
@@ -235,7 +249,13 @@ def run_report(plan: ReportPlan) -> str:
             rows = sim_scenario(plan, name, wl, plan.workers, 64, 1.0)
             lines += section(f"Simulator: {name} ({', '.join(opts)}), {plan.workers} workers", rows, http=False)
         (plan.out / "report.md").write_text("\n".join(lines) + "\n")
-    if plan.http:
+    if plan.http_from is not None:
+        http_rows = load_http_rows(plan.http_from)
+        lines += section(f"HTTP replay (from {plan.http_from})", http_rows, http=True)
+        if sim_main:
+            lines += ["### Simulator vs HTTP replay (same trace, fleet and policies)", "",
+                      *validation(sim_main, http_rows), ""]
+    elif plan.http:
         http_rows = [http_run(plan, "upper bound", trace, "upper", "none")]
         for label, policy, a in prefixlb_rows(plan.affinities):
             if plan.http_policies and policy not in plan.http_policies:
@@ -276,6 +296,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--no-peers", action="store_true", help="skip sglang-router and vllm-router")
     p.add_argument("--http-policies", default="", help="only these prefixlb policies over HTTP (comma list)")
     p.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="Redis for prefixlb's KV events ('' = none)")
+    p.add_argument("--http-from", default=None, help="take the HTTP rows from this earlier report directory")
     args = p.parse_args(argv)
     plan = ReportPlan(trace=args.trace, workers=args.workers, kv_blocks=args.kv_blocks, speedup=args.speedup,
                       time_scale=args.time_scale,
@@ -283,7 +304,8 @@ def main(argv: list[str]) -> int:
                       num_requests=args.num_requests, generated_requests=args.generated_requests,
                       http=not args.no_http, peers=not args.no_peers, sim=not args.no_sim,
                       redis=args.redis or None, out=Path(args.out),
-                      http_policies=tuple(x for x in args.http_policies.split(",") if x))
+                      http_policies=tuple(x for x in args.http_policies.split(",") if x),
+                      http_from=Path(args.http_from) if args.http_from else None)
     print(run_report(plan))
     print(f"written to {plan.out / 'report.md'}")
     return 0

@@ -1,0 +1,54 @@
+"""The routing report's goal checks and validation table, and the load generator's stream parser."""
+from __future__ import annotations
+
+from bench.loadgen import _Stream
+from bench.routing_report import goal_checks, validation
+
+
+def _summary(hit: float, p50: float, p99: float, imbalance: float = 1.0, errors: int = 0) -> dict:
+    return {"hit_rate": hit, "ttft_ms": {"p50": p50, "p90": p99, "p99": p99, "mean": p50},
+            "imbalance": imbalance, "errors": errors}
+
+
+def test_goal_checks_compare_cache_aware_with_the_upper_bound_least_load_and_the_peers():
+    rows = [
+        ("upper bound", _summary(0.40, 100, 1000, errors=1), {}),
+        ("prefixlb cache_aware a=0.8", _summary(0.39, 200, 1500, 1.10, errors=1), {}),
+        ("prefixlb least_load", _summary(0.10, 300, 2000), {}),
+        ("sglang-router cache_aware", _summary(0.38, 250, 4000), {}),
+        ("vllm-router cache_aware", _summary(0.30, 180, 5000), {}),
+    ]
+    (line,) = goal_checks(rows, http=True)
+    assert line == ("- prefixlb cache_aware a=0.8: hit >= 0.95 UB ✅ (0.97 x UB); "
+                    "p99 <= 0.5 sglang ✅ (0.38 x sglang); p99 < least_load ✅ (0.75 x least_load); "
+                    "p50 <= peers ❌ (1.11 x best peer); imbalance <= 1.15 ✅ (1.10); "
+                    "no errors beyond over-long prompts ✅ (1 vs 1)")
+    (sim_line,) = goal_checks(rows[:3], http=False)
+    assert "sglang" not in sim_line and "peers" not in sim_line
+
+
+def test_validation_lists_hit_rate_difference_in_points_and_the_p50_ratio():
+    sim = [("prefixlb round_robin", _summary(0.050, 400, 900), {})]
+    http = [("prefixlb round_robin", _summary(0.062, 500, 1000), {}), ("sglang-router cache_aware",
+                                                                        _summary(0.1, 1, 1), {})]
+    lines = validation(sim, http)
+    assert lines[2] == "| prefixlb round_robin | 0.050 / 0.062 | -1.2 | 0.400 / 0.500 | 0.80 |"
+    assert len(lines) == 3  # rows without a simulated twin are skipped
+
+
+def test_stream_parser_takes_the_first_chunk_as_first_token_and_reads_usage_and_worker():
+    s = _Stream()
+    s.feed(b": keep-alive\n", 0.5)
+    s.feed(b'data: {"system_fingerprint":"w3","choices":[{"text":"a"}],"usage":null}\n', 1.0)
+    s.feed(b'data: {"choices":[{"text":"b"}],"usage":null}\n', 2.0)
+    s.feed(b'data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":2,'
+           b'"prompt_tokens_details":{"cached_tokens":4}}}\n', 3.0)
+    s.feed(b"data: [DONE]\n", 4.0)
+    assert (s.first_at, s.worker_id, s.error) == (1.0, "w3", None)
+    assert s.usage == {"prompt_tokens": 7, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 4}}
+
+
+def test_stream_parser_reports_an_error_chunk():
+    s = _Stream()
+    s.feed(b'data: {"error":{"message":"worker died","type":"server_error"}}\n', 1.0)
+    assert s.error == "worker died" and s.usage is None
