@@ -81,10 +81,11 @@ def prefixlb_rows(affinities: tuple[float, ...]) -> list[tuple[str, str, float |
 
 
 def _fleet(plan: ReportPlan, workers: int, unit: int, speedup: float, policy: str = "cache_aware",
-           affinity: float | None = None, upper_bound: bool = False) -> FleetConfig:
+           affinity: float | None = None, upper_bound: bool = False, speed_report: str = "measured") -> FleetConfig:
     return FleetConfig(workers=workers, kv_blocks=plan.kv_blocks, unit=unit, speedup=speedup,
                        upper_bound=upper_bound,
-                       router=SimRouterConfig(policy=policy, affinity=0.8 if affinity is None else affinity))
+                       router=SimRouterConfig(policy=policy, affinity=0.8 if affinity is None else affinity,
+                                              speed_report=speed_report))
 
 
 def sim_scenario(plan: ReportPlan, name: str, workload: Workload, workers: int, unit: int,
@@ -94,6 +95,9 @@ def sim_scenario(plan: ReportPlan, name: str, workload: Workload, workers: int, 
     configs = [("upper bound", _fleet(plan, workers, unit, speedup, upper_bound=True))]
     configs += [(label, _fleet(plan, workers, unit, speedup, policy, a)) for label, policy, a
                 in prefixlb_rows(plan.affinities)]
+    # The proposed fix (see docs/benchmarks.md): speeds the router can compare across workers.
+    configs += [("proposed: cache_aware a=0.8, uniform speed", _fleet(plan, workers, unit, speedup, "cache_aware",
+                                                                      0.8, speed_report="nominal"))]
     for label, cfg in configs:
         result = simulate(workload, cfg)
         result.meta["label"] = label
@@ -160,7 +164,7 @@ def goal_checks(rows: list[tuple[str, dict, dict]], http: bool) -> list[str]:
     peers = [s for label, s, _ in rows if label.startswith(("sglang-router", "vllm-router"))]
     lines = []
     for label, s, _ in rows:
-        if not label.startswith("prefixlb cache_aware"):
+        if not label.startswith(("prefixlb cache_aware", "proposed")):
             continue
         t = s["ttft_ms"]
         checks = []
@@ -244,7 +248,7 @@ def run_report(plan: ReportPlan) -> str:
             if n == plan.workers:
                 sim_main = rows
             lines += section(f"Simulator: Mooncake trace, {n} workers, speed-up {speed:g}", rows, http=False)
-        for name, opts in GENERATED.items():
+        for name, opts in (GENERATED.items() if plan.generated_requests > 0 else ()):
             wl = load_workload(name, plan.seed, plan.generated_requests, opts)
             rows = sim_scenario(plan, name, wl, plan.workers, 64, 1.0)
             lines += section(f"Simulator: {name} ({', '.join(opts)}), {plan.workers} workers", rows, http=False)
@@ -290,7 +294,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--time-scale", type=float, default=5.0, help="simulated workers' speed for the HTTP replay")
     p.add_argument("--affinities", default="0.5,0.8,1")
     p.add_argument("--num-requests", type=int, default=None, help="replay only the first N requests")
-    p.add_argument("--generated-requests", type=int, default=4000)
+    p.add_argument("--generated-requests", type=int, default=4000, help="0 skips the generated workloads")
+    p.add_argument("--fleet-sizes", default="4,8,16", help="simulated fleet sizes for the trace")
     p.add_argument("--no-http", action="store_true", help="simulator only")
     p.add_argument("--no-sim", action="store_true", help="HTTP replay only")
     p.add_argument("--no-peers", action="store_true", help="skip sglang-router and vllm-router")
@@ -305,7 +310,8 @@ def main(argv: list[str]) -> int:
                       http=not args.no_http, peers=not args.no_peers, sim=not args.no_sim,
                       redis=args.redis or None, out=Path(args.out),
                       http_policies=tuple(x for x in args.http_policies.split(",") if x),
-                      http_from=Path(args.http_from) if args.http_from else None)
+                      http_from=Path(args.http_from) if args.http_from else None,
+                      fleet_sizes=tuple(int(n) for n in args.fleet_sizes.split(",") if n.strip()))
     print(run_report(plan))
     print(f"written to {plan.out / 'report.md'}")
     return 0

@@ -87,6 +87,7 @@ def simulate(workload: Workload, cfg: FleetConfig) -> SimResult:
     requests: list[SimRequest] = []
     records: list[RequestRecord] = []
     interval = cfg.router.report_interval_s
+    measured = cfg.router.speed_report == "measured"
     next_report = 0.0
 
     def handle(w: SimWorker, now: float) -> None:
@@ -108,7 +109,8 @@ def simulate(workload: Workload, cfg: FleetConfig) -> SimResult:
             head = heap[0][0]
             if interval > 0 and next_report <= min(head, t):
                 for w in workers:
-                    router.report(w, next_report, w.speed.prefill_tokens_per_s, w.speed.decode_step_s)
+                    rate = w.speed.prefill_tokens_per_s if measured else prefill_rate
+                    router.report(w, next_report, rate, w.speed.decode_step_s)
                 next_report += interval
                 continue
             if head > t:

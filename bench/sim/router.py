@@ -38,6 +38,10 @@ class SimRouterConfig:
     report_interval_s: float = 1.0
     optimistic_ttl_s: float = 30.0
     index_entries: int = 2_000_000
+    # "measured": each replica reports its own SpeedMeter EMA, as the worker does; "nominal": all
+    # report the profile's nominal prefill speed (what a context-normalised measurement would give
+    # identical GPUs; the report's "proposed" rows).
+    speed_report: str = "measured"
 
 
 class SimRouter:
