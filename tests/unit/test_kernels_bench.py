@@ -1,4 +1,5 @@
-"""bench/kernels.py off the GPU: its accounting, its SDPA baselines, and its refusal on CPU.
+"""bench/kernels.py and bench/kernels_sweep.py off the GPU: accounting, SDPA baselines, the
+sweep's candidates and flow, and their refusal on CPU.
 
 The GPU numbers themselves can only come from a CUDA machine; these tests check that what the
 benchmark computes around the timings is right, using the torch reference backend as the kernel
@@ -6,6 +7,7 @@ and a timer that reports a fixed duration.
 """
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 from bench import kernels as bench_kernels
+from bench import kernels_sweep
 from kernels.backend import TORCH_BACKEND
 
 SMALL = bench_kernels.Shape(num_heads=8, num_kv_heads=2, head_dim=64, block_size=16)
@@ -73,3 +76,41 @@ def test_smoke_run_checks_the_triton_kernels_on_cpu_without_printing_timings():
     # Two dtypes x (one decode shape + one extend shape); each row is only its max error.
     assert [row[0] for row in rows] == ["float32", "float16", "float32", "float16"]
     assert all(row[-3:-1] == ["max", "err"] for row in rows)
+
+
+def test_graph_timer_fills_the_device_time_columns_of_a_decode_row():
+    row = bench_kernels.bench_decode(
+        torch, TORCH_BACKEND, 2, 100, torch.float32, SMALL, torch.device("cpu"),
+        timer=lambda fn: 0.5, peak=1e12, graph_timer=lambda fn: 0.25,
+    )
+
+    assert (row.kernel_ms, row.kernel_graph_ms, row.sdpa_graph_ms) == (0.5, 0.25, 0.25)
+
+
+def test_sweep_tries_one_partition_per_split_count_down_to_128_tokens_and_8192_programs():
+    assert kernels_sweep.split_candidates(1024, 8, 64) == [1024, 512, 384, 256, 192, 128]
+    # Batch 64 x 8 KV heads: 512 programs per split, so at most 16 splits.
+    assert kernels_sweep.split_candidates(16384, 512, 64) == [16384, 8192, 5504, 4096, 3328, 2752, 2048, 1408, 1024]
+
+
+def test_sweep_refuses_without_cuda():
+    result = subprocess.run([sys.executable, "-m", "bench.kernels_sweep"], capture_output=True, text=True)
+
+    assert result.returncode == 2
+    assert "needs a CUDA GPU" in result.stderr
+
+
+def test_sweep_smoke_run_checks_every_variant_against_sdpa_on_cpu(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.kernels_sweep", "--smoke", "--tilings", "32x4x2", "--out", str(tmp_path)],
+        capture_output=True, text=True,
+    )
+
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    # Context 300 in tiles of 32: partitions of 320, 160 and 128 tokens (1, 2 and 3 splits).
+    assert [(r["variant"], r["splits"]) for r in rows] == [
+        ("sdpa", None), ("default", 1), ("32x4x2", 1), ("32x4x2", 2), ("32x4x2", 3), ("occupancy", None),
+    ]
+    assert all(r["ok"] for r in rows)
+    assert "failures: 0" in (tmp_path / "summary.txt").read_text()

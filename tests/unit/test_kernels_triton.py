@@ -229,6 +229,77 @@ def test_decode_of_a_zero_length_padding_row_is_zero_with_and_without_splits(run
         assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize(
+    "block_n,partition,num_warps,num_stages",
+    # Tiles smaller than a block (16 < 32) and larger (64, 128); partitions of 3 tiles (48, 96:
+    # 70 tokens -> splits of 48+22 / 70+0), none (one split), one tile (128).
+    [(16, 48, 2, 2), (32, 96, 4, 3), (64, None, 8, 4), (128, 128, 4, 2)],
+)
+def test_decode_tiling_knobs_change_the_schedule_not_the_result(run_triton, block_n, partition, num_warps, num_stages):
+    context_lens = [70, 45, 1]
+    k_cache, v_cache, tables = _paged_problem(7, 2, 4, 128, 32, torch.float16, context_lens, shared_blocks=1)
+    q = torch.randn(3, 8, 128, generator=torch.Generator().manual_seed(3)).to(torch.float16)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+
+    out = run_triton(
+        _triton, "decode", q, k_cache, v_cache, tables, lens, 0.088,
+        partition_size=partition, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+    )
+
+    expected = attention_ref.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.088)
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.float16])
+
+
+def _triton_decode_into(q, k_cache, v_cache, tables, lens, scale, out, partition_size):
+    q, k_cache, v_cache, tables, lens, out = _moved((q, k_cache, v_cache, tables, lens, out), DEVICE)
+    result = _backend().decode(q, k_cache, v_cache, tables, lens, scale, out=out, partition_size=partition_size)
+    return result.data_ptr() == out.data_ptr(), _moved(out, "cpu")
+
+
+@pytest.mark.parametrize("partition", [None, 64])
+def test_decode_writes_into_a_given_out_tensor_with_and_without_splits(run_triton, partition):
+    k_cache, v_cache, tables = _paged_problem(5, 2, 4, 64, 16, torch.float32, [70, 45], shared_blocks=0)
+    q = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(4))
+    lens = torch.tensor([70, 45], dtype=torch.int32)
+    poisoned = torch.full_like(q, float("nan"))
+
+    same, out = run_triton(_triton_decode_into, q, k_cache, v_cache, tables, lens, 0.125, poisoned, partition)
+
+    assert same
+    expected = attention_ref.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125)
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
+
+
+def test_decode_refuses_a_partition_that_is_not_a_multiple_of_16(run_triton):
+    k_cache, v_cache, tables = _paged_problem(5, 1, 4, 64, 16, torch.float32, [20], shared_blocks=0)
+    q = torch.randn(1, 4, 64)
+
+    with pytest.raises(ValueError, match="multiple of 16"):
+        run_triton(_triton, "decode", q, k_cache, v_cache, tables, torch.tensor([20], dtype=torch.int32), 0.125,
+                   partition_size=40)
+
+
+def _partition_for_waves(*args):
+    from kernels.triton_decode import partition_for_waves
+
+    return partition_for_waves(*args)
+
+
+@pytest.mark.parametrize(
+    "tiles,programs_per_split,expected",
+    [
+        (128, 512, 128),  # batch 64 x 8 KV heads x 4K: 512 programs fit one wave of 660: one split
+        (128, 640, 128),  # 640 still fit one wave
+        (128, 768, 43),  # one split: a full wave plus 108 programs; 3 splits of 43 tiles cost less
+        (512, 8, 12),  # one sequence x 16K: 43 splits, 344 programs, just over the 330 that saturate
+    ],
+)
+def test_decode_splits_are_chosen_by_counting_waves(run_triton, tiles, programs_per_split, expected):
+    # An H200 with the CUDA tiling: 132 SMs x 5 programs = 660 slots, 330 programs saturate HBM;
+    # partitions of at least 4 tiles (128 tokens in tiles of 32).
+    assert run_triton(_partition_for_waves, tiles, programs_per_split, 660, 330.0, 4) == expected
+
+
 # ---- prefix extend ---------------------------------------------------------------------------
 
 # (context_len, new tokens) per sequence: 70 cached + 40 new (two query tiles of 32; key tiles
