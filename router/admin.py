@@ -4,9 +4,10 @@
 method   path                            effect
 =======  ==============================  ==================================================
 GET      /admin/workers                  every known worker: state, models, load
-POST     /admin/workers                  ``{"url": "http://host:port"}``: add a worker
+POST     /admin/workers                  ``{"url": "http://host:port"}``: add a worker (or undrain it)
 DELETE   /admin/workers/{id}             remove a worker (by id or URL)
 POST     /admin/workers/{id}/drain       no new work; removed once its requests are done
+POST     /admin/workers/{id}/prewarm     ``{"top": K}``: send it the K hottest prefixes now
 GET      /admin/config                   every setting (secrets masked) + the runtime ones
 PUT      /admin/config                   ``{"affinity": 0.6, "policy": "least_load"}``
 GET      /admin/index                    prefix-index size and counters
@@ -116,6 +117,20 @@ async def drain_worker(request: web.Request) -> web.Response:
     return web.json_response(w.to_dict())
 
 
+async def prewarm_worker(request: web.Request) -> web.Response:
+    """``POST /admin/workers/{id}/prewarm`` with optional ``{"top": K}`` (default ``--prewarm-top``, else 8)."""
+    ctx = request.config_dict[CONTEXT]
+    w = ctx.registry.get(request.match_info["key"])
+    if w is None:
+        raise _error(404, "No such worker", "not_found_error", "worker_not_found")
+    body = await _json(request) if request.can_read_body else {}
+    top = body.get("top", ctx.config.prewarm_top or 8)
+    if isinstance(top, bool) or not isinstance(top, int) or not 1 <= top <= 1024:
+        raise _error(400, "top must be an integer in [1, 1024]", "invalid_request_error", "invalid_top")
+    result = await ctx.prewarmer.warm(w, top)
+    return web.json_response({**result, "worker_id": w.worker_id, "tracked": len(ctx.prewarmer.hot)})
+
+
 async def get_config(request: web.Request) -> web.Response:
     """``GET /admin/config``."""
     ctx = request.config_dict[CONTEXT]
@@ -159,6 +174,7 @@ def admin_app() -> web.Application:
     app.router.add_post("/workers", add_worker)
     app.router.add_delete("/workers/{key:.+}", remove_worker)
     app.router.add_post("/workers/{key}/drain", drain_worker)
+    app.router.add_post("/workers/{key}/prewarm", prewarm_worker)
     app.router.add_get("/config", get_config)
     app.router.add_put("/config", set_config)
     app.router.add_get("/index", index_stats)

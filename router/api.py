@@ -8,10 +8,13 @@ JSON here, once (see :func:`error_middleware`).
 """
 from __future__ import annotations
 
+import asyncio
+import hmac
 import json
 import logging
 import math
-from typing import Awaitable, Callable
+import time
+from typing import Awaitable, Callable, Sequence
 
 from aiohttp import web
 
@@ -56,20 +59,55 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     return response
 
 
-async def read_body(request: web.Request, limit: int) -> bytes:
-    """The request body, or a 413 as soon as it exceeds ``limit`` bytes."""
-    if request.content_length is not None:
-        if request.content_length > limit:
-            raise body_too_large(limit)
-        return await request.read()  # the declared length is within the limit: one read
-    chunks = []
-    size = 0
-    async for chunk in request.content.iter_chunked(1 << 16):
-        size += len(chunk)
-        if size > limit:
-            raise body_too_large(limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
+async def read_body(request: web.Request, limit: int, timeout: float = 30.0) -> bytes:
+    """The request body: a 413 as soon as it exceeds ``limit`` bytes, a 408 after ``timeout`` s."""
+    if request.content_length is not None and request.content_length > limit:
+        raise body_too_large(limit)
+
+    async def _read() -> bytes:
+        if request.content_length is not None:
+            return await request.read()  # the declared length is within the limit: one read
+        chunks = []
+        size = 0
+        async for chunk in request.content.iter_chunked(1 << 16):
+            size += len(chunk)
+            if size > limit:
+                raise body_too_large(limit)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    try:
+        return await asyncio.wait_for(_read(), timeout)
+    except asyncio.TimeoutError:
+        raise OpenAIError(408, f"Request body not received within {timeout:g} s", "invalid_request_error",
+                          None, "timeout") from None
+
+
+def check_api_key(header: str | None, keys: Sequence[str]) -> None:
+    """Raise a 401 unless ``header`` is ``Bearer <one of keys>`` (no keys configured: open).
+
+    Every key is compared, in constant time, whatever matched, so timing says nothing about them.
+    """
+    if not keys:
+        return
+    scheme, _, given = (header or "").partition(" ")
+    if not header:
+        raise OpenAIError(401, "Missing API key: send 'Authorization: Bearer <key>'", "invalid_request_error",
+                          None, "missing_api_key")
+    candidate = given.strip().encode("utf-8", "surrogateescape")
+    matched = False
+    for key in keys:
+        matched |= hmac.compare_digest(candidate, key.encode("utf-8"))
+    if scheme.lower() != "bearer" or not matched:
+        raise OpenAIError(401, "Incorrect API key provided", "invalid_request_error", None, "invalid_api_key")
+
+
+def forwardable(name: str, value: str) -> str:
+    """``value`` if it can go to a worker as a header (printable ASCII), else a 400."""
+    if len(value) > 1024 or not value.isascii() or not value.isprintable():
+        raise bad_request(f"Header {name} must be printable ASCII of at most 1024 characters", name,
+                          "invalid_header")
+    return value
 
 
 def parse_affinity(value: str | None) -> float | None:
@@ -100,7 +138,8 @@ def with_include_usage(raw: bytes, body: dict) -> bytes:
 async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
     ctx = request.app[CONTEXT]
     cfg = ctx.config
-    raw = await read_body(request, cfg.max_body_bytes)
+    check_api_key(request.headers.get("Authorization"), cfg.api_keys)
+    raw = await read_body(request, cfg.max_body_bytes, cfg.body_timeout)
     parsed = parse_request(raw, chat, RequestLimits(max_body_bytes=cfg.max_body_bytes))
     body = parsed.body
     served = ctx.registry.models()
@@ -112,6 +151,8 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
     except RenderError as exc:
         raise bad_request(str(exc), exc.param) from None
     affinity = parse_affinity(request.headers.get(HEADER_AFFINITY))
+    if ctx.prewarmer.top:
+        ctx.prewarmer.hot.record(prompt.ring_key, request.path, parsed.model, raw, time.time())
     upstream_body = raw
     if parsed.stream and not parsed.include_usage:
         upstream_body = with_include_usage(raw, body)
@@ -119,7 +160,11 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
     for name in (*FORWARDED_HEADERS, *cfg.session_headers):
         value = request.headers.get(name)
         if value is not None:
-            headers[name] = value
+            headers[name] = forwardable(name, value)
+    if cfg.worker_api_key:
+        headers["Authorization"] = f"Bearer {cfg.worker_api_key}"
+    elif cfg.api_keys:
+        headers.pop("Authorization", None)  # the client's key is for this router, not the workers
     preq = ProxyRequest(request.path, upstream_body, prompt, parsed.stream, parsed.include_usage, affinity,
                         headers, ctx.registry.excluded_for(parsed.model))
     return await ctx.proxy.handle(request, preq)
@@ -138,6 +183,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def models(request: web.Request) -> web.Response:
     """``GET /v1/models``: the union of the healthy workers' models."""
     ctx = request.app[CONTEXT]
+    check_api_key(request.headers.get("Authorization"), ctx.config.api_keys)
     data = [{"id": m, "object": "model", "created": 0, "owned_by": "prefixlb"} for m in ctx.registry.models()]
     return web.json_response({"object": "list", "data": data})
 

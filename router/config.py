@@ -76,7 +76,8 @@ class RouterConfig:
     health_jitter: float = setting(0.2, "random +- fraction of the health interval", minimum=0.0,
                                    maximum=0.9)
     health_timeout: float = setting(2.0, "seconds a health check may take", minimum=0.05)
-    unhealthy_after: int = setting(2, "consecutive failed checks that take a worker out", minimum=1)
+    unhealthy_after: int = setting(2, "consecutive failed requests or checks that open a worker's "
+                                 "breaker (take it out of rotation)", minimum=1)
     registry_interval: float = setting(1.0, "seconds between reads of the Redis registry, loads and "
                                        "config", minimum=0.05)
     snapshot_interval: float = setting(30.0, "seconds between index snapshots written to Redis",
@@ -87,8 +88,40 @@ class RouterConfig:
                                   minimum=1024)
     connect_timeout: float = setting(5.0, "seconds to connect to a worker", minimum=0.05)
     read_timeout: float = setting(600.0, "seconds a worker may stay silent mid-response", minimum=0.1)
-    max_attempts: int = setting(2, "workers tried before the first byte, on connection errors and 5xx",
-                                minimum=1, maximum=10)
+    max_attempts: int = setting(3, "workers tried before the first byte, on connection errors, timeouts "
+                                "and 5xx", minimum=1, maximum=10)
+    retry_deadline: float = setting(30.0, "seconds after its arrival a request may still be retried on "
+                                    "another worker", minimum=0.0)
+    body_timeout: float = setting(30.0, "seconds a client may take to send its request body (408 after)",
+                                  minimum=0.1)
+    max_inflight: int = setting(4096, "requests the router serves at once (0: no global limit); beyond, "
+                                "they queue", minimum=0)
+    max_queue: int = setting(256, "requests that may wait for capacity (global or per-worker limit); "
+                             "beyond, 429", minimum=0)
+    max_queue_bytes: int = setting(64 * 1024 * 1024, "request-body bytes that may wait in the queue; "
+                                   "beyond, 429", minimum=0)
+    queue_timeout: float = setting(5.0, "seconds a request may wait in the queue before a 429", minimum=0.0)
+    breaker_cool_down: float = setting(1.0, "seconds a worker's open breaker waits before a good probe may "
+                                       "half-open it (doubles on each failed trial)", minimum=0.0)
+    breaker_max_cool_down: float = setting(30.0, "longest breaker cool-down", minimum=0.0)
+    half_open_successes: int = setting(3, "successful requests or probes that close a half-open breaker",
+                                       minimum=1)
+    half_open_max_inflight: int = setting(2, "requests of this router a half-open (recovering) worker takes "
+                                          "at once", minimum=1)
+    registry_grace: float = setting(15.0, "seconds a healthy worker stays after its Redis registration "
+                                    "vanished (e.g. Redis restarted empty)", minimum=0.0)
+    api_keys: list[str] = setting(list, "API key clients must send as 'Authorization: Bearer <key>' on "
+                                  "/v1/* (repeatable; none: open)", flag="--api-key", secret=True)
+    worker_api_key: str | None = setting(None, "API key the router sends to workers (their --api-key)",
+                                         secret=True)
+    worker_allow: list[str] = setting(list, "allowed worker hosts: CIDR, IP, or host-name wildcard, with "
+                                      "optional :port (repeatable; none: any http(s) host)")
+    prewarm_top: int = setting(0, "send a joining worker the K hottest prefixes (max_tokens=1) before it "
+                               "takes traffic (0: off)", minimum=0, maximum=1024)
+    prewarm_max_bytes: int = setting(1024 * 1024, "largest request body kept as a pre-warm sample",
+                                     minimum=0)
+    prewarm_timeout: float = setting(30.0, "seconds pre-warming a worker may take before it gets "
+                                     "traffic anyway", minimum=0.1)
     log_level: str = setting("info", "log level", choices=("debug", "info", "warning", "error"))
 
     def policy_config(self) -> PolicyConfig:

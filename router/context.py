@@ -16,16 +16,20 @@ from typing import Any, Iterable
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from protocol import RedisKeys
+from router.admission import Admission
 from router.balancer import Balancer
+from router.breaker import BreakerConfig
 from router.config import RouterConfig
 from router.health import HealthChecker
 from router.index import PrefixIndex
 from router.load import LoadBoard
 from router.metrics import RouterMetrics
 from router.policy import POLICIES
+from router.prewarm import HotPrefixes, Prewarmer
 from router.proxy import Proxy
-from router.registry import HEALTHY, JOINING, UNHEALTHY, DRAINING, WorkerRegistry
+from router.registry import HEALTHY, STATES, InvalidWorkerURL, WorkerRegistry
 from router.state import RedisState
+from router.worker_url import WorkerURLPolicy
 
 log = logging.getLogger("prefixlb.router")
 
@@ -48,6 +52,7 @@ class RouterContext:
     metrics: RouterMetrics
     proxy: Proxy
     health: HealthChecker
+    prewarmer: Prewarmer
     state: RedisState | None = None
     discovery: Any = None
     maintenance: asyncio.Task | None = None
@@ -101,7 +106,7 @@ class RouterContext:
         gaps.add_metric([], self.balancer.event_gaps)
         yield gaps
         states = GaugeMetricFamily("prefixlb_router_workers", "Known workers by state", labels=["state"])
-        counts = {s: 0 for s in (JOINING, HEALTHY, UNHEALTHY, DRAINING)}
+        counts = {s: 0 for s in STATES}
         for w in self.registry.all():
             counts[w.state] = counts.get(w.state, 0) + 1
         for state, n in counts.items():
@@ -131,6 +136,15 @@ class RouterContext:
             ratio.add_metric([model], value)
         yield ratio
         yield _gauge("prefixlb_router_affinity", "Affinity strength in force", self.config.affinity)
+        admission = self.proxy.admission
+        yield _gauge("prefixlb_router_inflight_requests", "Requests admitted and not finished", admission.inflight)
+        yield _gauge("prefixlb_router_queued_requests", "Requests waiting for capacity", len(admission))
+        opens = CounterMetricFamily("prefixlb_router_breaker_opens", "Times a worker's breaker opened",
+                                    labels=["worker"])
+        for w in self.registry.all():
+            if w.worker_id is not None:
+                opens.add_metric([w.worker_id], w.breaker.opens)
+        yield opens
         if self.state is not None:
             yield _gauge("prefixlb_router_redis_up", "1 while every Redis task succeeds",
                          1.0 if self.state.status() == "up" else 0.0)
@@ -148,14 +162,28 @@ def build_context(cfg: RouterConfig) -> RouterContext:
     board = LoadBoard(cfg.speed_profile(), max_inflight=cfg.max_inflight_per_worker)
     balancer = Balancer(cfg.policy_config(), cfg.chunk_size, index, board, cfg.tokens_per_byte,
                         feedback_clear_after=cfg.feedback_clear_after, vnodes=cfg.vnodes)
-    registry = WorkerRegistry(balancer, cfg.unhealthy_after)
+    breaker = BreakerConfig(failure_threshold=cfg.unhealthy_after, cool_down_s=cfg.breaker_cool_down,
+                            max_cool_down_s=max(cfg.breaker_cool_down, cfg.breaker_max_cool_down),
+                            half_open_successes=cfg.half_open_successes)
+    registry = WorkerRegistry(balancer, cfg.unhealthy_after, breaker, cfg.half_open_max_inflight,
+                              WorkerURLPolicy(cfg.worker_allow))
     metrics = RouterMetrics()
-    proxy = Proxy(balancer, registry, metrics, cfg.connect_timeout, cfg.read_timeout, cfg.max_attempts)
-    health = HealthChecker(registry, cfg.health_interval, cfg.health_jitter, cfg.health_timeout)
-    ctx = RouterContext(cfg, balancer, registry, metrics, proxy, health)
+    admission = Admission(cfg.max_inflight, cfg.max_queue, cfg.max_queue_bytes, cfg.queue_timeout)
+    proxy = Proxy(balancer, registry, metrics, cfg.connect_timeout, cfg.read_timeout, cfg.max_attempts,
+                  cfg.retry_deadline, admission)
+    worker_headers = {"Authorization": f"Bearer {cfg.worker_api_key}"} if cfg.worker_api_key else {}
+    health = HealthChecker(registry, cfg.health_interval, cfg.health_jitter, cfg.health_timeout, worker_headers)
+    hot = HotPrefixes(max(32, 4 * cfg.prewarm_top), cfg.prewarm_max_bytes)
+    prewarmer = Prewarmer(hot, cfg.prewarm_top, cfg.prewarm_timeout, registry, balancer, metrics, cfg.chunk_size,
+                          cfg.ring_key_chunks, worker_headers)
+    registry.warmup = prewarmer.wants
+    # A worker coming back (or a new one) is capacity for requests waiting in the queue.
+    registry.on_routable.append(lambda worker_id: admission.notify())
+    ctx = RouterContext(cfg, balancer, registry, metrics, proxy, health, prewarmer)
     if cfg.redis:
         ctx.state = RedisState(cfg.redis, RedisKeys(cfg.redis_prefix), balancer, registry, metrics,
-                               cfg.registry_interval, cfg.snapshot_interval, ctx._shared_config)
+                               cfg.registry_interval, cfg.snapshot_interval, ctx._shared_config,
+                               registry_grace=cfg.registry_grace)
     metrics.add_state(ctx.state_metrics)
     for url in cfg.workers:
         registry.add(url, "flag")
@@ -168,6 +196,8 @@ async def start(ctx: RouterContext) -> None:
     if ctx.state is not None:
         await ctx.state.start(ctx.config.startup_sync_timeout)
     await ctx.health.start()
+    ctx.prewarmer.session = ctx.proxy.session
+    ctx.prewarmer.enabled = True
     ctx.maintenance = asyncio.get_running_loop().create_task(_sweep_index(ctx))
     if ctx.config.k8s_selector:
         from router import k8s_discovery
@@ -184,9 +214,10 @@ async def stop(ctx: RouterContext) -> None:
         ctx.maintenance.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await ctx.maintenance
+    await ctx.prewarmer.close()
     await ctx.health.close()
     if ctx.state is not None:
-        await ctx.state.close()
+        await ctx.state.close(final_snapshot=True)
     await ctx.proxy.close()
 
 
@@ -204,7 +235,10 @@ class _DiscoverySink:
         self.registry = registry
 
     def add_worker(self, worker_id: str, url: str) -> None:
-        self.registry.add(url, "k8s", worker_id)
+        try:
+            self.registry.add(url, "k8s", worker_id)
+        except InvalidWorkerURL as exc:
+            log.warning("event=worker_url_refused source=k8s worker_id=%s error=%s", worker_id, exc)
 
     def remove_worker(self, worker_id: str) -> None:
         self.registry.remove(worker_id)

@@ -6,7 +6,9 @@ routers do not probe a fleet in lockstep. A backend without ``/load`` (an unmodi
 SGLang server) is probed with ``GET /health`` instead and known by its URL. Models come from
 ``GET /v1/models`` once, when the worker first answers.
 
-A draining worker is removed once this router has nothing in flight there.
+Probe failures and successes feed the worker's breaker (``router/breaker.py``) through the
+registry: consecutive failures open it, and once its cool-down is over the next good probe
+half-opens it. A draining worker is marked drained once this router has nothing in flight there.
 """
 from __future__ import annotations
 
@@ -32,8 +34,10 @@ class ProbeError(Exception):
 class HealthChecker:
     """One probe task per worker; started and stopped with the registry's membership."""
 
-    def __init__(self, registry: WorkerRegistry, interval: float, jitter: float, timeout: float) -> None:
+    def __init__(self, registry: WorkerRegistry, interval: float, jitter: float, timeout: float,
+                 headers: dict[str, str] | None = None) -> None:
         self.registry = registry
+        self.headers = headers or {}
         self.interval = interval
         self.jitter = jitter
         self.timeout = aiohttp.ClientTimeout(total=timeout)
@@ -71,13 +75,13 @@ class HealthChecker:
             report = await self._load(w)
             models = None if w.models else await self._models(w)
         except (ProbeError, aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            self.registry.mark_failed(w, f"{type(exc).__name__}: {exc}"[:200])
+            self.registry.mark_failed(w, f"probe: {type(exc).__name__}: {exc}"[:200], time.time())
             return
         self.registry.mark_ok(w, time.time(), report=report, models=models)
         if w.state == DRAINING and w.worker_id is not None:
             load = self.registry.balancer.board.get(w.worker_id)
             if load is None or not load.tickets:
-                self.registry.remove(w.url)
+                self.registry.drained(w)
 
     async def _load(self, w: Worker) -> LoadReport | None:
         assert self._session is not None
@@ -97,7 +101,7 @@ class HealthChecker:
     async def _models(self, w: Worker) -> tuple[str, ...] | None:
         assert self._session is not None
         with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError):
-            async with self._session.get(w.url + "/v1/models") as resp:
+            async with self._session.get(w.url + "/v1/models", headers=self.headers) as resp:
                 if resp.status == 200:
                     data = (await resp.json(content_type=None)).get("data", [])
                     return tuple(m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str))

@@ -82,6 +82,7 @@ class WorkerLoad:
     in_system: int = 0
     heap_version: int = 0
     routable: bool = True
+    cap: int = 0  # while > 0, at most this many of this router's requests at once (breaker half-open)
 
     def rate(self) -> float:
         """Effective prefill tokens per second, decode pressure included."""
@@ -98,8 +99,8 @@ class WorkerLoad:
         return (backlog if backlog > 0.0 else 0.0) + wait
 
     def over_limit(self) -> bool:
-        """True when the worker is at its hard in-flight limit."""
-        return self.in_system >= self.max_inflight
+        """True when the worker is at its hard in-flight limit (or at its trial cap)."""
+        return self.in_system >= self.max_inflight or (self.cap > 0 and len(self.tickets) >= self.cap)
 
 
 class LoadBoard:
@@ -144,6 +145,12 @@ class LoadBoard:
         if w is not None and w.routable != routable:
             w.routable = routable
             self._push(w)
+
+    def set_cap(self, worker_id: str, cap: int) -> None:
+        """Cap this router's in-flight requests to ``worker_id`` (0: no cap beyond the hard limit)."""
+        w = self._workers.get(worker_id)
+        if w is not None:
+            w.cap = max(0, cap)
 
     def get(self, worker_id: str) -> WorkerLoad | None:
         """The worker's load record, if tracked."""

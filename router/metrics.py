@@ -16,6 +16,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2)
 TOKEN_ERROR_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536)
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 LAG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
@@ -50,7 +51,9 @@ class RouterMetrics:
                                           "|predicted - reported| cached tokens per request",
                                           buckets=TOKEN_ERROR_BUCKETS, registry=r)
         self.upstream_errors = Counter("prefixlb_router_upstream_errors_total",
-                                       "Failed attempts to a worker before the first byte, by kind",
+                                       "Failed attempts to a worker (before the first byte: retried) and failed streams, by "
+                                       "kind (connect, timeout, status, disconnected, draining, aborted, "
+                                       "mid_stream, truncated)",
                                        ["worker", "kind"], registry=r)
         self.retries = Counter("prefixlb_router_retries_total", "Requests retried on another worker",
                                registry=r)
@@ -63,6 +66,18 @@ class RouterMetrics:
                                       buckets=LAG_BUCKETS, registry=r)
         self.redis_errors = Counter("prefixlb_router_redis_errors_total",
                                     "Redis operations that failed, by task", ["task"], registry=r)
+        self.overloaded = Counter("prefixlb_router_overload_rejections_total",
+                                  "Requests refused with 429 by admission control, by reason "
+                                  "(queue_full, queue_timeout)", ["reason"], registry=r)
+        self.queue_wait = Histogram("prefixlb_router_queue_wait_seconds",
+                                    "Time admitted requests waited in the overload queue",
+                                    buckets=QUEUE_BUCKETS, registry=r)
+        self.prewarm = Counter("prefixlb_router_prewarm_requests_total",
+                               "Pre-warming requests sent to joining workers, by outcome", ["outcome"],
+                               registry=r)
+        self.resyncs = Counter("prefixlb_router_redis_resyncs_total",
+                               "Resynchronisations with Redis after an outage, by what was found "
+                               "(ok, trimmed, stream_lost, stream_reset, full)", ["kind"], registry=r)
         self.snapshots = Counter("prefixlb_router_index_snapshots_total",
                                  "Index snapshots, by operation (write, load)", ["op"], registry=r)
         self._feedback: dict[str, tuple] = {}

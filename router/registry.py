@@ -1,42 +1,53 @@
 """WorkerRegistry: the workers this router knows, their health state, and their models.
 
 Workers join by ``--worker URL``, the admin API, Redis self-registration or Kubernetes
-discovery. A worker is identified by the ``worker_id`` it reports about itself (``GET /load``,
-or its Redis registry entry); until its first successful health check it is *joining* and gets
-no traffic. States::
+discovery (every URL is checked by ``router/worker_url.py`` first). A worker is identified by
+the ``worker_id`` it reports about itself (``GET /load``, or its Redis registry entry); until its
+first successful health check it is *joining* and gets no traffic. States::
 
-    joining --ok--> healthy --N failures--> unhealthy --ok--> healthy
-       any --drain--> draining (no new work; removed once its requests are done)
+    joining --ok--> [warming: pre-warm requests] --> healthy
+    healthy --breaker opens--> unhealthy --cool-down + good probe--> recovering --successes--> healthy
+                                  ^                                      |
+                                  +------------- one failure ------------+
+    any --drain--> draining --nothing in flight here--> drained (or removed)
 
-Only *healthy* workers are routable (on the balancer's ring). The registry itself does no I/O:
-``router/health.py`` probes, ``router/state.py`` reads Redis; both report here.
+*healthy* and *recovering* workers are routable (on the balancer's ring); a *recovering* one
+(breaker half-open) takes at most ``half_open_max_inflight`` of this router's requests at once.
+The breaker (``router/breaker.py``) counts failures of real requests (passive) and of probes
+(active) alike; when it opens, the worker's prefix-index entries are dropped (only its keys
+move to their ring neighbours) and ``on_unavailable`` callbacks let the proxy abandon
+requests stuck there.
+
+Draining: a drain asked through the admin API is sticky (discovery does not bring the worker
+back; re-adding its URL through the admin API does); a worker draining itself (SIGTERM) reports
+``draining`` and is routable again if it later reports ``ready`` (a restart). Once nothing of
+this router is in flight there, a drained worker is removed if it came from ``--worker`` or the
+admin API, else kept as *drained* until it leaves its discovery source.
+
+The registry does no I/O: ``router/health.py`` probes, ``router/state.py`` reads Redis, the
+proxy reports request outcomes; all report here.
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from urllib.parse import urlsplit
+from dataclasses import dataclass, field
+from typing import Callable
 
 from protocol import LoadReport, WorkerInfo
 from router.balancer import Balancer
+from router.breaker import Breaker, BreakerConfig
+from router.worker_url import InvalidWorkerURL, WorkerURLPolicy, normalize_url
+
+__all__ = ["InvalidWorkerURL", "normalize_url", "Worker", "WorkerRegistry", "JOINING", "WARMING", "HEALTHY",
+           "RECOVERING", "UNHEALTHY", "DRAINING", "DRAINED", "STATES", "ROUTABLE"]
 
 log = logging.getLogger("prefixlb.router.registry")
 
-JOINING, HEALTHY, UNHEALTHY, DRAINING = "joining", "healthy", "unhealthy", "draining"
-
-
-class InvalidWorkerURL(ValueError):
-    """A worker URL that is not an absolute http(s) URL."""
-
-
-def normalize_url(url: str) -> str:
-    """``url`` without a trailing slash; raises :class:`InvalidWorkerURL` unless http(s)://host."""
-    if not isinstance(url, str):
-        raise InvalidWorkerURL("a worker URL must be a string")
-    parts = urlsplit(url.strip())
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise InvalidWorkerURL(f"not an http(s) worker URL: {url!r}")
-    return url.strip().rstrip("/")
+JOINING, WARMING, HEALTHY, RECOVERING = "joining", "warming", "healthy", "recovering"
+UNHEALTHY, DRAINING, DRAINED = "unhealthy", "draining", "drained"
+STATES = (JOINING, WARMING, HEALTHY, RECOVERING, UNHEALTHY, DRAINING, DRAINED)
+ROUTABLE = (HEALTHY, RECOVERING)
+STATIC_SOURCES = ("flag", "admin")  # sources nothing re-adds a worker from
 
 
 @dataclass(slots=True, eq=False)
@@ -48,28 +59,41 @@ class Worker:
     worker_id: str | None = None
     state: str = JOINING
     models: tuple[str, ...] = ()
-    failures: int = 0
+    breaker: Breaker = field(default_factory=Breaker)
+    admin_drain: bool = False
     last_ok: float = 0.0
     last_error: str = ""
+    vanished_at: float | None = None  # when it left its discovery source (Redis grace)
+
+    @property
+    def failures(self) -> int:
+        """Consecutive failed requests / probes."""
+        return self.breaker.failures
 
     def to_dict(self) -> dict:
         """JSON view for the admin API."""
         return {"worker_id": self.worker_id, "url": self.url, "source": self.source, "state": self.state,
-                "models": list(self.models), "failures": self.failures, "last_ok": self.last_ok,
-                "last_error": self.last_error}
+                "models": list(self.models), "failures": self.failures, "breaker": self.breaker.state,
+                "breaker_opens": self.breaker.opens, "last_ok": self.last_ok, "last_error": self.last_error}
 
 
 class WorkerRegistry:
     """Known workers by URL and by id, kept in step with the balancer's routable set."""
 
-    def __init__(self, balancer: Balancer, unhealthy_after: int = 2) -> None:
+    def __init__(self, balancer: Balancer, unhealthy_after: int = 2, breaker: BreakerConfig | None = None,
+                 half_open_max_inflight: int = 2, url_policy: WorkerURLPolicy | None = None) -> None:
         self.balancer = balancer
-        self.unhealthy_after = unhealthy_after
+        self.breaker_config = breaker if breaker is not None else BreakerConfig(failure_threshold=unhealthy_after)
+        self.half_open_max_inflight = half_open_max_inflight
+        self.url_policy = url_policy if url_policy is not None else WorkerURLPolicy()
         self._by_url: dict[str, Worker] = {}
         self._by_id: dict[str, Worker] = {}
         self._model_exclusions: dict[str, frozenset[str]] = {}
-        self.on_added: list = []     # callbacks(worker): start probing it
-        self.on_removed: list = []   # callbacks(worker): stop probing it
+        self.on_added: list[Callable[[Worker], None]] = []      # start probing it
+        self.on_removed: list[Callable[[Worker], None]] = []    # stop probing it
+        self.on_unavailable: list[Callable[[str], None]] = []   # breaker opened: abandon its requests
+        self.on_routable: list[Callable[[str], None]] = []      # it takes new requests now
+        self.warmup: Callable[[Worker], bool] | None = None     # True: it warms the worker, then calls warmed()
 
     # -- reads ------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -89,28 +113,33 @@ class WorkerRegistry:
         return w.url if w else None
 
     def models(self) -> list[str]:
-        """Every model a healthy worker serves, sorted."""
-        return sorted({m for w in self._by_url.values() if w.state == HEALTHY for m in w.models})
+        """Every model a routable worker serves, sorted."""
+        return sorted({m for w in self._by_url.values() if w.state in ROUTABLE for m in w.models})
 
     def excluded_for(self, model: str) -> frozenset[str]:
         """Routable workers that do not serve ``model`` (the policy must not pick them)."""
         cached = self._model_exclusions.get(model)
         if cached is None:
             cached = frozenset(w.worker_id for w in self._by_id.values()
-                               if w.state == HEALTHY and w.models and model not in w.models)
+                               if w.state in ROUTABLE and w.models and model not in w.models)
             self._model_exclusions[model] = cached
         return cached
 
     # -- membership -------------------------------------------------------------------------
     def add(self, url: str, source: str, worker_id: str | None = None) -> Worker:
-        """Know a worker at ``url`` (idempotent); it is routable after its first good check."""
-        url = normalize_url(url)
+        """Know a worker at ``url`` (idempotent); it is routable after its first good check.
+
+        Raises :class:`InvalidWorkerURL` for a URL the policy refuses.
+        """
+        url = self.url_policy.check(url)
         w = self._by_url.get(url)
+        if w is None and worker_id is not None:
+            w = self._by_id.get(worker_id)  # the same worker, known under another URL
         if w is not None:
+            if source == "admin" and w.admin_drain:
+                self.undrain(w)
             return w
-        if worker_id is not None and worker_id in self._by_id:
-            return self._by_id[worker_id]  # the same worker, known under another URL
-        w = Worker(url, source, worker_id)
+        w = Worker(url, source, worker_id, breaker=Breaker(self.breaker_config))
         self._by_url[url] = w
         if worker_id is not None:
             self._by_id[worker_id] = w
@@ -135,12 +164,34 @@ class WorkerRegistry:
         return w
 
     def drain(self, key: str) -> Worker | None:
-        """Stop sending new work to a worker; it is removed once nothing is in flight there."""
+        """Admin drain: no new work for the worker; removed (or kept as drained) once idle here."""
         w = self.get(key)
         if w is None:
             return None
-        self._set_state(w, DRAINING)
+        w.admin_drain = True
+        if w.state != DRAINED:
+            self._set_state(w, DRAINING)
         return w
+
+    def undrain(self, w: Worker) -> None:
+        """Cancel an admin drain: the worker joins again at its next good probe."""
+        w.admin_drain = False
+        if w.state in (DRAINING, DRAINED):
+            self._set_state(w, JOINING)
+
+    def drained(self, w: Worker) -> None:
+        """A draining worker has nothing of ours in flight any more."""
+        if w.state != DRAINING:
+            return
+        if w.admin_drain and w.source in STATIC_SOURCES:
+            self.remove(w.url)
+            return
+        self._set_state(w, DRAINED)
+
+    def warmed(self, w: Worker) -> None:
+        """Pre-warming of a joining worker is over: it takes traffic now."""
+        if w.state == WARMING:
+            self._set_state(w, HEALTHY)
 
     # -- health -----------------------------------------------------------------------------
     def mark_ok(self, w: Worker, now: float, report: LoadReport | None = None,
@@ -161,7 +212,6 @@ class WorkerRegistry:
                 return
             w.worker_id = worker_id
             self._by_id[worker_id] = w
-        w.failures = 0
         w.last_ok = now
         w.last_error = ""
         if models:
@@ -175,11 +225,26 @@ class WorkerRegistry:
         if report is not None:
             self.balancer.apply_report(report, now)
         status = (report.status if report else None) or (info.status if info else None)
-        if status == DRAINING:
-            self._set_state(w, DRAINING)
-        elif w.state != DRAINING:
-            self._set_state(w, HEALTHY)
         self._changed()
+        if status == DRAINING:
+            if w.state != DRAINED:
+                self._set_state(w, DRAINING)
+            return
+        if w.admin_drain:
+            return
+        state = w.state
+        if state in (JOINING, DRAINING, DRAINED):
+            # A new worker, or one that drained itself and reports ready again (restarted).
+            w.breaker = Breaker(self.breaker_config)
+            if self.warmup is not None and self.warmup(w):
+                self._set_state(w, WARMING)
+            else:
+                self._set_state(w, HEALTHY)
+        elif state == UNHEALTHY:
+            if w.breaker.record_probe_ok(now):
+                self._set_state(w, RECOVERING)
+        elif w.breaker.record_success(now) and state == RECOVERING:
+            self._set_state(w, HEALTHY)
 
     def note_info(self, w: Worker, info: WorkerInfo) -> None:
         """A registry entry the worker published (Redis): its model and status, not its health.
@@ -187,28 +252,56 @@ class WorkerRegistry:
         Liveness stays with the active probes, so a worker that heartbeats into Redis but cannot
         be reached from here does not flap in and out of rotation.
         """
+        w.vanished_at = None
         if info.model and info.model not in w.models:
             w.models = w.models + (info.model,)
             self._changed()
-        if info.status == DRAINING:
+        if info.status == DRAINING and w.state not in (DRAINING, DRAINED):
             self._set_state(w, DRAINING)
 
-    def mark_failed(self, w: Worker, error: str) -> None:
-        """A failed probe; ``unhealthy_after`` in a row take the worker out of rotation."""
-        w.failures += 1
+    def mark_failed(self, w: Worker, error: str, now: float) -> None:
+        """A failed probe or request; ``unhealthy_after`` in a row open the worker's breaker."""
         w.last_error = error
-        if w.failures >= self.unhealthy_after and w.state in (HEALTHY, JOINING):
+        if w.breaker.record_failure(now) and w.state in (JOINING, WARMING, HEALTHY, RECOVERING):
             self._set_state(w, UNHEALTHY)
+
+    def request_ok(self, worker_id: str, now: float) -> None:
+        """A request to ``worker_id`` succeeded (passive evidence; closes a half-open breaker)."""
+        w = self._by_id.get(worker_id)
+        if w is not None and w.breaker.record_success(now) and w.state == RECOVERING:
+            self._set_state(w, HEALTHY)
+
+    def report_draining(self, worker_id: str) -> None:
+        """The worker refused a request because it is draining (it will say so at its next probe)."""
+        w = self._by_id.get(worker_id)
+        if w is not None and w.state not in (DRAINING, DRAINED):
+            self._set_state(w, DRAINING)
 
     def _set_state(self, w: Worker, state: str) -> None:
         if w.state == state:
             return
         log.info("event=worker_state url=%s worker_id=%s from=%s to=%s error=%r", w.url, w.worker_id,
                  w.state, state, w.last_error)
-        w.state = state
-        if w.worker_id is not None and w.worker_id in self.balancer.board:
-            self.balancer.set_routable(w.worker_id, state == HEALTHY)
+        old, w.state = w.state, state
+        worker_id = w.worker_id
+        if worker_id is not None and worker_id in self.balancer.board:
+            self.balancer.set_routable(worker_id, state in ROUTABLE)
+            if state == RECOVERING:
+                self.balancer.board.set_cap(worker_id, self.half_open_max_inflight)
+            elif old == RECOVERING:
+                self.balancer.board.set_cap(worker_id, 0)
+            if state in (UNHEALTHY, DRAINED):
+                # Its cache is gone or about to be: forget what it held (its keys move on the ring).
+                self.balancer.index.clear_worker(worker_id)
         self._changed()
+        if worker_id is None:
+            return
+        if state == UNHEALTHY:
+            for callback in self.on_unavailable:
+                callback(worker_id)
+        elif state in ROUTABLE and old not in ROUTABLE:
+            for callback in self.on_routable:
+                callback(worker_id)
 
     def _changed(self) -> None:
         self._model_exclusions.clear()

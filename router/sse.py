@@ -47,6 +47,10 @@ def _data_json(event: bytes) -> Any:
     return None
 
 
+def _is_done(event: bytes) -> bool:
+    return any(line.startswith(b"data:") and line[5:].strip() == b"[DONE]" for line in event.splitlines())
+
+
 def strip_usage(body: dict[str, Any]) -> None:
     """Remove ``usage`` from a non-streaming response body the client did not ask usage from."""
     body.pop("usage", None)
@@ -59,6 +63,7 @@ class UsageTap:
         self.strip = strip
         self.usage: dict[str, Any] | None = None
         self.events = 0
+        self.done = False  # saw ``data: [DONE]``: the upstream ended its stream properly
         self._tail = b""
 
     def feed(self, chunk: bytes) -> bytes:
@@ -70,6 +75,8 @@ class UsageTap:
         out = []
         for event in events:
             self.events += 1
+            if b"[DONE]" in event and _is_done(event):
+                self.done = True
             if b'"usage"' not in event:
                 out.append(event)
                 continue

@@ -15,6 +15,17 @@ outage, and retried with backoff; routing goes on from memory meanwhile):
 :meth:`RedisState.start` first synchronises -- snapshot, then the stream from the snapshot's id
 to its end, then the registry -- so that a router started late routes warm from its first
 request (the server only starts listening after it).
+
+**Outages.** Nothing on the request path waits for Redis: while it is gone the router routes
+from its in-memory index and the last load reports, and self-registered workers stay (their
+liveness comes from this router's probes; a registration that vanishes only removes a healthy
+worker after ``registry_grace`` seconds, so Redis restarting empty does not empty the fleet).
+When Redis answers again, :meth:`RedisState.resync` checks that no KV event was missed: if the
+stream was trimmed past the last event applied here, the latest snapshot is merged and reading
+resumes from its id; if the stream is gone (Redis restarted without persistence) or was
+recreated, reading restarts from its beginning and this router writes a snapshot at once, so
+that routers starting now find one. A router whose start-up sync failed does the full sync then.
+On a clean shutdown the router writes a last snapshot.
 """
 from __future__ import annotations
 
@@ -26,12 +37,12 @@ import time
 from typing import Any, Callable
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from protocol import KVEvent, LoadReport, MessageError, RedisKeys, WorkerInfo
 from router.balancer import Balancer
 from router.metrics import RouterMetrics
-from router.registry import InvalidWorkerURL, WorkerRegistry
+from router.registry import ROUTABLE, WARMING, InvalidWorkerURL, WorkerRegistry
 from router.snapshot import SnapshotError, decode, encode
 
 log = logging.getLogger("prefixlb.router.state")
@@ -47,7 +58,8 @@ class RedisState:
 
     def __init__(self, url: str, keys: RedisKeys, balancer: Balancer, registry: WorkerRegistry,
                  metrics: RouterMetrics, registry_interval: float = 1.0, snapshot_interval: float = 30.0,
-                 apply_config: Callable[[dict[str, str]], None] | None = None) -> None:
+                 apply_config: Callable[[dict[str, str]], None] | None = None,
+                 registry_grace: float = 15.0) -> None:
         self.url = url
         self.keys = keys
         self.balancer = balancer
@@ -56,6 +68,8 @@ class RedisState:
         self.registry_interval = registry_interval
         self.snapshot_interval = snapshot_interval
         self.apply_config = apply_config
+        self.registry_grace = registry_grace
+        self.synced = False
         self.last_id = "0-0"
         self.config_version = 0.0
         self.events_applied = 0
@@ -63,6 +77,7 @@ class RedisState:
         self._stream_client: aioredis.Redis | None = None
         self._tasks: list[asyncio.Task] = []
         self._down: set[str] = set()
+        self._snapshot_now = asyncio.Event()
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self, sync_timeout: float) -> bool:
@@ -73,26 +88,32 @@ class RedisState:
         """
         self._client = aioredis.Redis.from_url(self.url, socket_timeout=5.0, socket_connect_timeout=2.0)
         self._stream_client = aioredis.Redis.from_url(self.url, socket_timeout=10.0, socket_connect_timeout=2.0)
-        synced = False
         try:
             await asyncio.wait_for(self.sync(), timeout=sync_timeout)
-            synced = True
+            self.synced = True
         except (RedisError, OSError, asyncio.TimeoutError) as exc:
             self.metrics.redis_errors.labels("sync").inc()
+            self._down.add("events")
             log.warning("event=redis_sync_failed error=%r serving=from_memory", str(exc)[:200])
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._every(self.registry_interval, self.sync_registry, "registry")),
                        loop.create_task(self._events_loop()),
                        loop.create_task(self._snapshot_loop())]
-        return synced
+        return self.synced
 
-    async def close(self) -> None:
-        """Stop the tasks and close the connections."""
+    async def close(self, final_snapshot: bool = False) -> None:
+        """Stop the tasks (writing a last snapshot first if asked and Redis answers) and disconnect."""
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
+        if final_snapshot and self._client is not None and self.synced:
+            try:
+                entries = await asyncio.wait_for(self.write_snapshot(), timeout=5.0)
+                log.info("event=snapshot_written_on_stop entries=%d", entries)
+            except (RedisError, OSError, asyncio.TimeoutError) as exc:
+                log.warning("event=snapshot_on_stop_failed error=%r", str(exc)[:200])
         for client in (self._client, self._stream_client):
             if client is not None:
                 with contextlib.suppress(RedisError, OSError):
@@ -109,6 +130,49 @@ class RedisState:
         while await self.read_events(block_ms=None):
             pass
         await self.sync_registry()
+
+    async def resync(self) -> str:
+        """After an outage: make sure no KV event was missed (see the module docstring).
+
+        Returns what was found: ``full`` (the start-up sync had failed: done now), ``ok`` (the
+        stream still holds everything after our last event), ``trimmed`` (it does not: snapshot
+        merged), ``stream_lost`` / ``stream_reset`` (Redis lost or recreated the stream).
+        """
+        assert self._client is not None
+        if not self.synced:
+            await self.sync()
+            self.synced = True
+            kind = "full"
+        else:
+            try:
+                info = await self._client.xinfo_stream(self.keys.kv_events)
+            except ResponseError as exc:
+                if "no such key" not in str(exc).lower():
+                    raise
+                info = None
+            if info is None:
+                kind = "stream_lost"
+            elif _stream_id(info.get("last-generated-id")) < _stream_id(self.last_id):
+                kind = "stream_reset"
+            else:
+                first = info.get("first-entry")
+                first_id = _stream_id(first[0]) if first else None
+                if first_id is not None and self.last_id != "0-0" and first_id > _stream_id(self.last_id):
+                    kind = "trimmed"
+                else:
+                    kind = "ok"
+            if kind in ("stream_lost", "stream_reset"):
+                # Every event from now on is new; what we hold is the best state left: share it.
+                self.last_id = "0-0"
+                self._snapshot_now.set()
+            elif kind == "trimmed":
+                before = self.last_id
+                await self.load_snapshot()
+                if _stream_id(self.last_id) < _stream_id(before):
+                    self.last_id = before  # an older snapshot: keep reading from where we were
+        self.metrics.resyncs.labels(kind).inc()
+        log.info("event=redis_resync kind=%s stream_id=%s", kind, self.last_id)
+        return kind
 
     async def load_snapshot(self) -> bool:
         """Adopt the latest index snapshot, if any; returns whether one was loaded."""
@@ -207,10 +271,16 @@ class RedisState:
                 log.warning("event=worker_url_refused worker_id=%s url=%r", worker_id, info.url)
                 continue
             self.registry.note_info(w, info)
+        now = time.time()
         for w in self.registry.all():
             if w.source == REDIS_SOURCE and w.worker_id is not None and w.worker_id not in infos:
+                if w.state in ROUTABLE or w.state == WARMING:
+                    # Still answering our probes: give it time to register again (Redis restarted?).
+                    if w.vanished_at is None:
+                        w.vanished_at = now
+                    if now - w.vanished_at < self.registry_grace:
+                        continue
                 self.registry.remove(w.url)
-        now = time.time()
         for report in reports:
             self.balancer.apply_report(report, now)
         await self.sync_config()
@@ -254,6 +324,8 @@ class RedisState:
         failures = 0
         while True:
             try:
+                if failures or not self.synced:
+                    await self.resync()
                 await self.read_events(block_ms=1000)
                 self._recovered("events")
                 failures = 0
@@ -265,7 +337,9 @@ class RedisState:
     async def _snapshot_loop(self) -> None:
         rng = random.Random()
         while True:
-            await asyncio.sleep(self.snapshot_interval * rng.uniform(0.8, 1.2))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._snapshot_now.wait(), self.snapshot_interval * rng.uniform(0.8, 1.2))
+            self._snapshot_now.clear()
             try:
                 await self.write_snapshot()
                 self._recovered("snapshot")
@@ -282,6 +356,15 @@ class RedisState:
         if task in self._down:
             self._down.discard(task)
             log.info("event=redis_recovered task=%s", task)
+
+
+def _stream_id(value: Any) -> tuple[int, int]:
+    """A stream entry id (``ms-seq``) as a comparable tuple."""
+    ms, _, seq = _text(value).partition("-")
+    try:
+        return int(ms), int(seq or 0)
+    except ValueError:
+        return 0, 0
 
 
 def _text(value: Any) -> str:

@@ -157,7 +157,7 @@ async def test_without_healthy_workers_requests_get_a_503():
 
 async def test_workers_at_their_in_flight_limit_get_a_429_with_retry_after():
     async with scripted_workers("w1") as (worker,), \
-            running_router("--worker", worker.url, "--max-inflight-per-worker", "1") as (ctx, url):
+            running_router("--worker", worker.url, "--max-inflight-per-worker", "1", "--max-queue", "0") as (ctx, url):
         worker.mode = "gated"
         await _ready(ctx, 1)
         async with aiohttp.ClientSession() as http:

@@ -40,7 +40,7 @@ async def test_self_registered_workers_join_and_leave_with_their_registry_entrie
     keys = RedisKeys(redis_prefix)
     async with scripted_workers("w1") as (worker,), \
             running_router("--redis", redis_server_url, "--redis-prefix", redis_prefix,
-                           "--registry-interval", "0.1") as (ctx, url):
+                           "--registry-interval", "0.1", "--registry-grace", "0") as (ctx, url):
         assert ctx.balancer.routable() == []
         register(client, keys, "w1", worker.url)
         await wait_until(lambda: ctx.balancer.routable() == ["w1"], what="w1 to join")
@@ -48,6 +48,25 @@ async def test_self_registered_workers_join_and_leave_with_their_registry_entrie
         await wait_until(lambda: ctx.registry.get("w1") is None, what="w1 to leave")
         assert ctx.balancer.routable() == []
         assert client.zscore(keys.workers, "w1") is None  # and the router pruned the stale id
+    client.close()
+
+
+async def test_a_worker_whose_registration_vanishes_stays_while_it_answers_and_leaves_once_it_fails(
+        redis_server_url, redis_prefix):
+    # Redis restarting empty deletes every registration at once: the fleet must not vanish with it.
+    client = redis.Redis.from_url(redis_server_url)
+    keys = RedisKeys(redis_prefix)
+    async with scripted_workers("w1") as (worker,), \
+            running_router("--redis", redis_server_url, "--redis-prefix", redis_prefix, "--registry-interval",
+                           "0.1", "--registry-grace", "60", "--health-interval", "0.1") as (ctx, url):
+        register(client, keys, "w1", worker.url)
+        await wait_until(lambda: ctx.balancer.routable() == ["w1"], what="w1 to join")
+        client.delete(keys.worker("w1"), keys.load("w1"))
+        w = ctx.registry.get("w1")
+        await wait_until(lambda: w.vanished_at is not None, what="the router to notice")
+        assert ctx.balancer.routable() == ["w1"]
+        await worker.server.close()  # now it stops answering probes as well
+        await wait_until(lambda: ctx.registry.get("w1") is None, what="w1 to leave")
     client.close()
 
 

@@ -5,7 +5,7 @@ import pytest
 
 from protocol import LoadReport, WorkerInfo
 from router.balancer import Balancer
-from router.registry import DRAINING, HEALTHY, JOINING, UNHEALTHY, InvalidWorkerURL, WorkerRegistry
+from router.registry import DRAINING, HEALTHY, JOINING, RECOVERING, UNHEALTHY, InvalidWorkerURL, WorkerRegistry
 
 
 def registry() -> WorkerRegistry:
@@ -22,15 +22,20 @@ def test_a_worker_is_routable_only_after_its_first_good_probe():
     assert reg.models() == ["tiny"]
 
 
-def test_consecutive_failures_take_a_worker_out_and_a_good_probe_brings_it_back():
+def test_consecutive_failures_take_a_worker_out_and_good_probes_bring_it_back_through_recovering():
     reg = registry()
     w = reg.add("http://127.0.0.1:9001", "flag")
     reg.mark_ok(w, now=1.0, report=LoadReport("w1"))
-    reg.mark_failed(w, "timeout")
+    reg.mark_failed(w, "timeout", now=1.5)
     assert w.state == HEALTHY  # one transient error is not enough
-    reg.mark_failed(w, "timeout")
+    reg.mark_failed(w, "timeout", now=1.6)
     assert (w.state, reg.balancer.routable()) == (UNHEALTHY, [])
-    reg.mark_ok(w, now=2.0, report=LoadReport("w1"))
+    reg.mark_ok(w, now=2.0, report=LoadReport("w1"))  # still within the 1 s cool-down
+    assert w.state == UNHEALTHY
+    reg.mark_ok(w, now=2.7, report=LoadReport("w1"))  # half-open: routable again, on trial
+    assert (w.state, reg.balancer.routable()) == (RECOVERING, ["w1"])
+    for t in (3.0, 3.1, 3.2):
+        reg.mark_ok(w, now=t, report=LoadReport("w1"))
     assert (w.state, reg.balancer.routable()) == (HEALTHY, ["w1"])
 
 
