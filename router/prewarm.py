@@ -40,23 +40,34 @@ DROPPED_FIELDS = ("stream", "stream_options", "n", "best_of", "logprobs", "top_l
 
 @dataclass(slots=True)
 class HotPrefix:
-    """One tracked prefix: its decayed request count and a sample request."""
+    """One tracked prefix: its decayed request count (plus what it inherited) and a sample."""
 
     key: int
-    score: float
+    score: float  # own requests + inherited count, decayed to ``at``
+    inherited: float  # the count it took over from the entry it replaced, decayed to ``at``
     at: float
     path: str
     model: str
     body: bytes | None
 
+    def decay(self, now: float, half_life_s: float) -> float:
+        """The factor counts recorded at ``at`` have decayed by at ``now``."""
+        return 0.5 ** (max(0.0, now - self.at) / half_life_s)
+
     def value(self, now: float, half_life_s: float) -> float:
-        """The decayed count at ``now``."""
-        return self.score * 0.5 ** (max(0.0, now - self.at) / half_life_s)
+        """The decayed count at ``now`` (an upper bound of its own requests)."""
+        return self.score * self.decay(now, half_life_s)
+
+    def hits(self, now: float, half_life_s: float) -> float:
+        """Its own decayed requests at ``now`` (a lower bound: the inherited part excluded)."""
+        return (self.score - self.inherited) * self.decay(now, half_life_s)
 
 
 class HotPrefixes:
-    """The most requested prefixes, by decayed count (Space-Saving: a new key replaces the
-    coldest and inherits its count, so a heavy hitter is never crowded out by one-offs). No I/O."""
+    """The most requested prefixes, by decayed count. Space-Saving: a new key replaces the
+    coldest entry and inherits its count (so a prefix requested more often than 1 in
+    ``capacity`` is never crowded out by one-offs), but ranks by its own requests only (so a
+    one-off never looks hot). No I/O."""
 
     def __init__(self, capacity: int, max_body_bytes: int, half_life_s: float = 300.0) -> None:
         self.capacity = max(1, capacity)
@@ -77,9 +88,11 @@ class HotPrefixes:
                 coldest = min(self._items.values(), key=lambda i: i.value(now, self.half_life_s))
                 inherited = coldest.value(now, self.half_life_s)
                 del self._items[coldest.key]
-            self._items[key] = HotPrefix(key, inherited + 1.0, now, path, model, sample)
+            self._items[key] = HotPrefix(key, inherited + 1.0, inherited, now, path, model, sample)
             return
-        item.score = item.value(now, self.half_life_s) + 1.0
+        factor = item.decay(now, self.half_life_s)
+        item.score = item.score * factor + 1.0
+        item.inherited *= factor
         item.at = now
         item.path, item.model = path, model
         if sample is not None:
@@ -88,7 +101,7 @@ class HotPrefixes:
     def top(self, k: int, now: float, models: tuple[str, ...] = ()) -> list[HotPrefix]:
         """The ``k`` hottest prefixes with a sample (only for ``models``, when given)."""
         usable = [i for i in self._items.values() if i.body is not None and (not models or i.model in models)]
-        usable.sort(key=lambda i: (-i.value(now, self.half_life_s), i.key))
+        usable.sort(key=lambda i: (-i.hits(now, self.half_life_s), i.key))
         return usable[:k]
 
 

@@ -86,8 +86,7 @@ class RedisState:
         Returns whether the initial sync completed; without it the router serves from memory
         and the tasks keep trying.
         """
-        self._client = aioredis.Redis.from_url(self.url, socket_timeout=5.0, socket_connect_timeout=2.0)
-        self._stream_client = aioredis.Redis.from_url(self.url, socket_timeout=10.0, socket_connect_timeout=2.0)
+        self.connect()
         try:
             await asyncio.wait_for(self.sync(), timeout=sync_timeout)
             self.synced = True
@@ -100,6 +99,11 @@ class RedisState:
                        loop.create_task(self._events_loop()),
                        loop.create_task(self._snapshot_loop())]
         return self.synced
+
+    def connect(self) -> None:
+        """Create the Redis clients (they connect lazily, and reconnect by themselves)."""
+        self._client = aioredis.Redis.from_url(self.url, socket_timeout=5.0, socket_connect_timeout=2.0)
+        self._stream_client = aioredis.Redis.from_url(self.url, socket_timeout=10.0, socket_connect_timeout=2.0)
 
     async def close(self, final_snapshot: bool = False) -> None:
         """Stop the tasks (writing a last snapshot first if asked and Redis answers) and disconnect."""

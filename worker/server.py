@@ -24,6 +24,7 @@ from protocol.keys import RedisKeys
 from protocol.messages import KV_CLEARED
 from protocol.openai_api import RequestLimits
 from worker.api import openai_routes, probes
+from worker.api.auth import api_key_middleware
 from worker.api.context import CTX, WorkerContext
 from worker.api.errors import error_middleware
 from worker.async_engine import AsyncLLMEngine
@@ -74,9 +75,10 @@ def build_engine(cfg: WorkerConfig) -> BuiltEngine:
 
 def create_app(ctx: WorkerContext) -> web.Application:
     """The aiohttp application serving ``ctx``."""
-    app = web.Application(
-        middlewares=[error_middleware(ctx.worker_id, lambda s: ctx.metrics.errors.labels(str(s)).inc())],
-        client_max_size=ctx.limits.max_body_bytes + 1)
+    middlewares = [error_middleware(ctx.worker_id, lambda s: ctx.metrics.errors.labels(str(s)).inc())]
+    if ctx.api_keys:
+        middlewares.append(api_key_middleware(ctx.api_keys))
+    app = web.Application(middlewares=middlewares, client_max_size=ctx.limits.max_body_bytes + 1)
     app[CTX] = ctx
     r = app.router
     r.add_post("/v1/completions", openai_routes.completions)
@@ -105,7 +107,8 @@ def make_context(cfg: WorkerConfig, engine: AsyncLLMEngine, built: BuiltEngine) 
                         url=cfg.advertise_url, chunk_size=cfg.chunk_size,
                         limits=RequestLimits(max_body_bytes=cfg.max_body_bytes), simulated=cfg.simulate,
                         info_extra=built.info, extra_metrics=built.metrics,
-                        body_timeout=cfg.body_timeout, mapper=KVEventMapper(max_blocks=table))
+                        body_timeout=cfg.body_timeout, mapper=KVEventMapper(max_blocks=table),
+                        api_keys=tuple(cfg.api_keys))
     if cfg.redis:
         ctx.publisher = RedisPublisher(
             cfg.redis, RedisKeys(cfg.redis_prefix), ctx.worker_info(), ctx.load_report,

@@ -66,6 +66,8 @@ class WorkerConfig:
     max_body_bytes: int = setting(16 * 1024 * 1024, "largest request body accepted (413 above)", minimum=1024)
     body_timeout: float = setting(30.0, "seconds a client may take to send its body (408 after)", minimum=0.1)
     drain_timeout: float = setting(30.0, "seconds SIGTERM waits for in-flight requests", minimum=0)
+    api_keys: list[str] = setting(list, "API key required as 'Authorization: Bearer <key>' on /v1/* "
+                                  "(repeatable; none: open)", flag="--api-key", secret=True)
     simulate: bool = setting(False, "serve a simulated GPU: latency model instead of a model")
     gpu: str = setting("H100-80G", "simulated GPU profile (A100-80G, H100-80G, H200)")
     sim_model: str = setting("llama-3-8b", "simulated model profile (llama-3-8b, llama-3-70b)")

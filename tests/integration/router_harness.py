@@ -34,6 +34,7 @@ class ScriptedWorker:
     model: str = "m"
     mode: str = "ok"
     bodies: list[dict] = field(default_factory=list)
+    headers: list[dict] = field(default_factory=list)
     gate: asyncio.Event = field(default_factory=asyncio.Event)
     first_sent: asyncio.Event = field(default_factory=asyncio.Event)
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
@@ -61,6 +62,7 @@ class ScriptedWorker:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        self.headers.append(dict(request.headers))
         headers = {"X-Prefixlb-Worker-Id": self.worker_id}
         if self.mode == "error":
             return web.json_response({"error": {"message": "boom"}}, status=503, headers=headers)

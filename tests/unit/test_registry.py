@@ -5,7 +5,8 @@ import pytest
 
 from protocol import LoadReport, WorkerInfo
 from router.balancer import Balancer
-from router.registry import DRAINING, HEALTHY, JOINING, RECOVERING, UNHEALTHY, InvalidWorkerURL, WorkerRegistry
+from router.registry import (DRAINED, DRAINING, HEALTHY, JOINING, RECOVERING, UNHEALTHY, InvalidWorkerURL,
+                             WorkerRegistry)
 
 
 def registry() -> WorkerRegistry:
@@ -90,3 +91,42 @@ def test_workers_that_do_not_serve_a_model_are_excluded_for_it():
 def test_only_http_urls_are_accepted_as_workers(url):
     with pytest.raises(InvalidWorkerURL):
         registry().add(url, "admin")
+
+
+def test_an_admin_drain_removes_a_configured_worker_once_nothing_is_in_flight_there():
+    reg = registry()
+    w = reg.add("http://127.0.0.1:9001", "flag")
+    reg.mark_ok(w, now=1.0, report=LoadReport("w1"))
+    reg.drain("w1")
+    reg.drained(w)
+    assert reg.get("w1") is None and "w1" not in reg.balancer.board
+
+
+def test_an_admin_drain_of_a_discovered_worker_sticks_until_the_admin_adds_it_again():
+    reg = registry()
+    w = reg.add("http://127.0.0.1:9001", "redis", "w1")
+    reg.mark_ok(w, now=1.0, report=LoadReport("w1"))
+    reg.balancer.index.insert([1, 2], "w1", now=1.0, confirmed=True)
+    reg.drain("w1")
+    reg.drained(w)
+    assert (w.state, reg.balancer.routable()) == (DRAINED, [])
+    assert reg.balancer.index.match([1, 2], now=2.0) == {}  # what it cached is no longer ours to use
+    # Discovery keeps seeing it (it still heartbeats, reports ready): it stays out.
+    assert reg.add("http://127.0.0.1:9001", "redis", "w1") is w
+    reg.note_info(w, WorkerInfo("w1", "http://127.0.0.1:9001", "tiny", status="ready"))
+    reg.mark_ok(w, now=3.0, report=LoadReport("w1", status="ready"))
+    assert w.state == DRAINED
+    assert reg.add("http://127.0.0.1:9001", "admin") is w  # the operator brings it back
+    reg.mark_ok(w, now=4.0, report=LoadReport("w1"))
+    assert (w.state, reg.balancer.routable()) == (HEALTHY, ["w1"])
+
+
+def test_a_worker_that_drained_itself_takes_traffic_again_when_it_reports_ready():
+    reg = registry()
+    w = reg.add("http://127.0.0.1:9001", "flag")
+    reg.mark_ok(w, now=1.0, report=LoadReport("w1"))
+    reg.mark_ok(w, now=2.0, report=LoadReport("w1", status="draining"))  # SIGTERM
+    reg.drained(w)
+    assert (w.state, reg.balancer.routable()) == (DRAINED, [])
+    reg.mark_ok(w, now=9.0, report=LoadReport("w1", status="ready"))  # restarted at the same address
+    assert (w.state, reg.balancer.routable()) == (HEALTHY, ["w1"])
