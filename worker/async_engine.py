@@ -72,6 +72,8 @@ class AsyncLLMEngine:
         """
         if self._dead is not None:
             raise EngineDeadError("the engine loop has stopped") from self._dead
+        if self._stop:
+            raise EngineDeadError("the engine is shut down")
         self.engine.validate_request(prompt_token_ids, params)
         if request_id in self._queues:
             raise DuplicateRequestError(f"request id {request_id!r} is already running")

@@ -12,7 +12,7 @@ from tests.engine_support import SlotMemoryRunner, reference_continuation
 from worker.async_engine import AsyncLLMEngine
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
-from worker.errors import EngineStepError, PromptTooLongError
+from worker.errors import EngineDeadError, EngineStepError, PromptTooLongError
 from worker.kv_cache import BlockStored
 from worker.runner import RunnerOutput, ScheduledBatch
 from worker.sampling_params import SamplingParams
@@ -110,3 +110,11 @@ async def test_a_failing_step_fails_only_its_requests_and_the_engine_keeps_servi
         await until(lambda: engine.stats().used_blocks == 0)
     finally:
         await engine.shutdown()
+
+
+async def test_a_shut_down_engine_refuses_new_requests_instead_of_hanging(engine):
+    await collect(engine, "a", [1, 2, 3], greedy(1))
+    await engine.shutdown()
+    assert not engine.is_running
+    with pytest.raises(EngineDeadError):
+        await collect(engine, "b", [1, 2, 3], greedy(1))
