@@ -68,14 +68,21 @@ class SpeedMeter:
     the decode share being the current decode step estimate when the step also decoded (never
     more than half the step). Small prefill chunks are skipped: fixed per-step overhead would
     make them look slow.
+
+    Once measured, a sample more than ``max_jump`` times off the current estimate is clipped to
+    that factor before averaging. A stall (the process stopped, swapped or paused mid-step)
+    makes one step look hundreds of times slower; unclipped, it would make the worker look so
+    slow that a router never sends it the work that would correct the estimate. A real change
+    of speed still comes through, over a few steps.
     """
 
     def __init__(self, prefill_tokens_per_s: float, decode_step_s: float, alpha: float = 0.2,
-                 min_prefill_tokens: int = 32) -> None:
+                 min_prefill_tokens: int = 32, max_jump: float = 10.0) -> None:
         self.prefill_tokens_per_s = prefill_tokens_per_s
         self.decode_step_s = decode_step_s
         self.alpha = alpha
         self.min_prefill_tokens = min_prefill_tokens
+        self.max_jump = max_jump
         self.prefill_measured = False
         self.decode_measured = False
 
@@ -93,4 +100,7 @@ class SpeedMeter:
             self.prefill_measured = True
 
     def _ema(self, old: float, new: float, measured: bool) -> float:
-        return new if not measured else (1 - self.alpha) * old + self.alpha * new
+        if not measured:
+            return new
+        new = min(max(new, old / self.max_jump), old * self.max_jump)
+        return (1 - self.alpha) * old + self.alpha * new

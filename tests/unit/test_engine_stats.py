@@ -37,3 +37,14 @@ def test_small_prefill_chunks_do_not_move_the_prefill_estimate():
     m = SpeedMeter(1000.0, 0.05)
     m.observe(1.0, prefill_tokens=10, decode_seqs=0)
     assert m.prefill_tokens_per_s == 1000.0 and not m.prefill_measured
+
+
+def test_a_stalled_step_moves_the_estimate_by_a_bounded_factor_only():
+    # A process stopped for 0.8 s mid-step (SIGSTOP, swapping) must not make it look 500x slower.
+    m = SpeedMeter(1000.0, 0.05, alpha=0.5, max_jump=10.0)
+    m.observe(0.0015, prefill_tokens=0, decode_seqs=4)
+    m.observe(0.78, prefill_tokens=0, decode_seqs=4)
+    assert m.decode_step_s == pytest.approx((0.0015 + 0.015) / 2)
+    m.observe(0.1, prefill_tokens=1000, decode_seqs=0)
+    m.observe(100.0, prefill_tokens=1000, decode_seqs=0)
+    assert m.prefill_tokens_per_s == pytest.approx((10_000 + 1_000) / 2)
