@@ -6,7 +6,7 @@ the ``worker_id`` it reports about itself (``GET /load``, or its Redis registry 
 first successful health check it is *joining* and gets no traffic. States::
 
     joining --ok--> [warming: pre-warm requests] --> healthy
-    healthy --breaker opens--> unhealthy --cool-down + good probe--> recovering --successes--> healthy
+    healthy --breaker opens--> unhealthy --cool-down + good probe--> [warming] --> recovering --successes--> healthy
                                   ^                                      |
                                   +------------- one failure ------------+
     any --drain--> draining --nothing in flight here--> drained (or removed)
@@ -64,6 +64,7 @@ class Worker:
     last_ok: float = 0.0
     last_error: str = ""
     vanished_at: float | None = None  # when it left its discovery source (Redis grace)
+    after_warming: str = HEALTHY  # the state pre-warming leads to (recovering, after an outage)
 
     @property
     def failures(self) -> int:
@@ -189,9 +190,9 @@ class WorkerRegistry:
         self._set_state(w, DRAINED)
 
     def warmed(self, w: Worker) -> None:
-        """Pre-warming of a joining worker is over: it takes traffic now."""
+        """Pre-warming of a joining (or recovering) worker is over: it takes traffic now."""
         if w.state == WARMING:
-            self._set_state(w, HEALTHY)
+            self._set_state(w, w.after_warming)
 
     # -- health -----------------------------------------------------------------------------
     def mark_ok(self, w: Worker, now: float, report: LoadReport | None = None,
@@ -236,15 +237,21 @@ class WorkerRegistry:
         if state in (JOINING, DRAINING, DRAINED):
             # A new worker, or one that drained itself and reports ready again (restarted).
             w.breaker = Breaker(self.breaker_config)
-            if self.warmup is not None and self.warmup(w):
-                self._set_state(w, WARMING)
-            else:
-                self._set_state(w, HEALTHY)
+            self._warm_then(w, HEALTHY)
         elif state == UNHEALTHY:
             if w.breaker.record_probe_ok(now):
-                self._set_state(w, RECOVERING)
+                # Its index entries were dropped when it failed; a stopped (not crashed) worker
+                # still has its cache, and pre-warming re-learns and refills the hot part of it.
+                self._warm_then(w, RECOVERING)
         elif w.breaker.record_success(now) and state == RECOVERING:
             self._set_state(w, HEALTHY)
+
+    def _warm_then(self, w: Worker, state: str) -> None:
+        w.after_warming = state
+        if self.warmup is not None and self.warmup(w):
+            self._set_state(w, WARMING)
+        else:
+            self._set_state(w, state)
 
     def note_info(self, w: Worker, info: WorkerInfo) -> None:
         """A registry entry the worker published (Redis): its model and status, not its health.

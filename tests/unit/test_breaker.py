@@ -4,7 +4,7 @@ from __future__ import annotations
 from protocol import LoadReport
 from router.balancer import Balancer
 from router.breaker import CLOSED, HALF_OPEN, OPEN, Breaker, BreakerConfig
-from router.registry import HEALTHY, RECOVERING, UNHEALTHY, WorkerRegistry
+from router.registry import HEALTHY, RECOVERING, UNHEALTHY, WARMING, WorkerRegistry
 
 CONFIG = BreakerConfig(failure_threshold=3, cool_down_s=1.0, max_cool_down_s=5.0, half_open_successes=2)
 
@@ -94,3 +94,15 @@ def test_a_failed_trial_takes_a_recovering_worker_out_again():
     reg.mark_ok(w, now=2.5, report=LoadReport("w1"))
     reg.mark_failed(w, "status", now=2.6)
     assert (w.state, reg.balancer.routable(), w.breaker.cool_down_s) == (UNHEALTHY, [], 2.0)
+
+
+def test_a_worker_coming_back_from_a_failure_is_prewarmed_before_its_trial_requests():
+    reg, w = _registry()
+    warmed = []
+    reg.warmup = lambda worker: warmed.append(worker.worker_id) or True  # "I will warm it, then call warmed()"
+    for t in (1.0, 1.1, 1.2):
+        reg.mark_failed(w, "timeout", now=t)
+    reg.mark_ok(w, now=2.5, report=LoadReport("w1"))
+    assert (w.state, warmed, reg.balancer.routable()) == (WARMING, ["w1"], [])
+    reg.warmed(w)
+    assert (w.state, reg.balancer.routable()) == (RECOVERING, ["w1"])

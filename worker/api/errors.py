@@ -31,6 +31,11 @@ def map_exception(exc: BaseException) -> tuple[int, OpenAIError]:
     if isinstance(exc, EngineStepError):
         return 500, OpenAIError(500, "The engine failed while computing this request", SERVER_ERROR,
                                 code="engine_step_failed")
+    if isinstance(exc, ConnectionResetError):
+        # The client went away while we read its request (e.g. a router gave up on this worker
+        # while it was stopped): nobody will read the answer, and it is not a server error.
+        return 400, OpenAIError(400, "The client closed the connection", INVALID_REQUEST,
+                                code="client_disconnected")
     if isinstance(exc, web.HTTPException):
         kind = NOT_FOUND if exc.status == 404 else INVALID_REQUEST
         return exc.status, OpenAIError(exc.status, exc.reason, kind)
