@@ -30,7 +30,8 @@ def ttft_cdf(runs: Mapping[str, Sequence[RequestRecord]], path: str | Path) -> N
     ax.set_xlabel("TTFT (s)")
     ax.set_ylabel("fraction of requests")
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -55,7 +56,8 @@ def hit_rate_over_time(runs: Mapping[str, Sequence[RequestRecord]], path: str | 
     ax.set_ylabel("hit rate (cached / prompt tokens)")
     ax.set_ylim(0, 1)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -76,7 +78,7 @@ def load_per_worker(records: Sequence[RequestRecord], path: str | Path, n: int =
     ax.set_xlabel("time (s)")
     ax.set_ylabel("uncached prompt tokens / s")
     ax.grid(True, alpha=0.3)
-    if len(workers) <= 16:
+    if workers and len(workers) <= 16:
         ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
