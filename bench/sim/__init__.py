@@ -1,0 +1,1 @@
+"""The fleet simulator: simulated replicas and the router's own Balancer in virtual time (``prefixlb sim``)."""
