@@ -8,7 +8,7 @@ from protocol.settings import setting
 from bench.sim.fleet import FleetConfig
 from bench.sim.router import SimRouterConfig
 from bench.workloads import Workload, load_workload
-from bench.workloads.base import RequestSpec, poisson_arrivals
+from bench.workloads.base import retime_poisson
 
 ENV_PREFIX = "PREFIXLB_SIM_"
 POLICY_CHOICES = ("cache_aware", "least_load", "consistent_hash", "round_robin")
@@ -47,9 +47,7 @@ def build_workload(s: SimSettings) -> Workload:
     """The workload of a simulation (arrivals re-timed when ``rate`` is given)."""
     workload = load_workload(s.workload, s.seed, s.num_requests, s.workload_opt)
     if s.rate is not None:
-        times = poisson_arrivals(len(workload.requests), s.rate, s.seed + 7)
-        workload.requests = [RequestSpec(r.index, t, r.segments, r.max_tokens, r.session)
-                             for r, t in zip(workload.requests, times)]
+        workload = retime_poisson(workload, s.rate, s.seed)
     return workload
 
 

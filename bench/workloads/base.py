@@ -131,3 +131,11 @@ def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
         out.append(t)
         t += rng.expovariate(rate)
     return out
+
+
+def retime_poisson(workload: Workload, rate: float, seed: int) -> Workload:
+    """The same requests with arrivals replaced by a Poisson process of ``rate`` per second."""
+    times = poisson_arrivals(len(workload.requests), rate, seed + 7)
+    workload.requests = [RequestSpec(r.index, t, r.segments, r.max_tokens, r.session)
+                         for r, t in zip(workload.requests, times)]
+    return workload

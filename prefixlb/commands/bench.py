@@ -46,24 +46,16 @@ class BenchConfig:
     progress: bool = setting(True, "show a progress bar")
 
 
-def _retime(workload, rate: float, seed: int):
-    from bench.workloads.base import RequestSpec, poisson_arrivals
-
-    times = poisson_arrivals(len(workload.requests), rate, seed + 7)
-    workload.requests = [RequestSpec(r.index, t, r.segments, r.max_tokens, r.session)
-                         for r, t in zip(workload.requests, times)]
-    return workload
-
-
 def run_bench(cfg: BenchConfig) -> dict:
     """Run one load-generator pass and write its run directory; returns the summary."""
     from bench.loadgen import LoadConfig, run_load
     from bench.report import write_run
     from bench.workloads import TextSource, load_workload
+    from bench.workloads.base import retime_poisson
 
     workload = load_workload(cfg.workload, cfg.seed, cfg.num_requests, cfg.workload_opt)
     if cfg.rate is not None:
-        workload = _retime(workload, cfg.rate, cfg.seed)
+        workload = retime_poisson(workload, cfg.rate, cfg.seed)
     load = LoadConfig(target=cfg.target, model=cfg.model, time_scale=cfg.time_scale, speedup=cfg.speedup,
                       concurrency=cfg.concurrency, duration_s=cfg.duration,
                       request_timeout_s=cfg.request_timeout, session_header=cfg.session_header,

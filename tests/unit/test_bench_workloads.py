@@ -122,3 +122,14 @@ def test_bad_workload_names_and_options_are_clear_errors():
         load_workload("mooncake")
     with pytest.raises(WorkloadError, match="cannot read"):
         load_workload("mooncake:/nonexistent.jsonl")
+
+
+def test_rate_replaces_arrivals_by_a_deterministic_poisson_process_and_keeps_the_prompts():
+    from bench.workloads.base import retime_poisson
+
+    base = load_workload(f"mooncake:{MOONCAKE}", num_requests=500)
+    a = retime_poisson(load_workload(f"mooncake:{MOONCAKE}", num_requests=500), 5.0, seed=1)
+    b = retime_poisson(load_workload(f"mooncake:{MOONCAKE}", num_requests=500), 5.0, seed=1)
+    assert [r.segments for r in a] == [r.segments for r in base]
+    assert [r.arrival_s for r in a] == [r.arrival_s for r in b]
+    assert a.requests[-1].arrival_s / 499 == pytest.approx(1 / 5.0, rel=0.15)  # mean gap ~ 1/rate
