@@ -10,7 +10,8 @@ and *active* (the health checker's probes). No I/O and no clock: every method ta
       +----------------------------- successes >= half_open_successes --------------------+
 
 * **closed**: requests flow; a success resets the consecutive-failure count, so transient
-  single errors never open it.
+  single errors never open it. A *refused* connection is not transient -- nothing listens at
+  the worker's address (its process died, or is restarting) -- and opens it at once.
 * **open**: no requests. Entered after ``failure_threshold`` failures in a row; stays open at
   least ``cool_down_s`` (doubling each time it re-opens from half-open, up to
   ``max_cool_down_s``), so a flapping worker is tried less and less often.
@@ -49,15 +50,18 @@ class Breaker:
         self.cool_down_s = self.config.cool_down_s
         self.opens = 0
 
-    def record_failure(self, now: float) -> bool:
-        """A failed request or probe; returns True when this failure opened the breaker."""
+    def record_failure(self, now: float, certain: bool = False) -> bool:
+        """A failed request or probe; returns True when this failure opened the breaker.
+
+        ``certain``: the failure proves the worker is down (a refused connection): open now.
+        """
         self.failures += 1
         self.successes = 0
         if self.state == HALF_OPEN:
             # The trial failed: back off longer before the next one.
             self._open(now, min(self.config.max_cool_down_s, self.cool_down_s * 2.0))
             return True
-        if self.state == CLOSED and self.failures >= self.config.failure_threshold:
+        if self.state == CLOSED and (certain or self.failures >= self.config.failure_threshold):
             self._open(now, self.config.cool_down_s)
             return True
         return False

@@ -33,7 +33,7 @@ from router.worker_url import WorkerURLPolicy
 
 log = logging.getLogger("prefixlb.router")
 
-RUNTIME_KEYS = ("affinity", "policy")
+RUNTIME_KEYS = ("affinity", "policy", "prewarm_top")
 SWEEP_INTERVAL_S = 5.0
 SWEEP_BUDGET = 20_000  # hashes looked at per sweep (a few ms)
 
@@ -59,10 +59,12 @@ class RouterContext:
 
     def runtime_config(self) -> dict[str, Any]:
         """The settings that can change at run time, as in force now."""
-        return {"affinity": self.config.affinity, "policy": self.config.policy}
+        return {"affinity": self.config.affinity, "policy": self.config.policy,
+                "prewarm_top": self.config.prewarm_top}
 
     def apply_runtime(self, values: dict[str, Any]) -> dict[str, Any]:
-        """Validate and apply ``affinity`` / ``policy`` changes; returns the new runtime config."""
+        """Validate and apply ``affinity`` / ``policy`` / ``prewarm_top`` changes; returns the new
+        runtime config."""
         unknown = sorted(set(values) - set(RUNTIME_KEYS))
         if unknown:
             raise ConfigError(f"not changeable at run time: {', '.join(unknown)}")
@@ -79,10 +81,21 @@ class RouterContext:
             policy = str(values["policy"])
             if policy not in POLICIES:
                 raise ConfigError(f"policy must be one of {', '.join(POLICIES)}")
+        prewarm_top = self.config.prewarm_top
+        if "prewarm_top" in values:
+            value = values["prewarm_top"]
+            try:
+                prewarm_top = int(value)
+            except (TypeError, ValueError):
+                raise ConfigError("prewarm_top must be an integer in [0, 1024]") from None
+            if isinstance(value, (bool, float)) or not 0 <= prewarm_top <= 1024:
+                raise ConfigError("prewarm_top must be an integer in [0, 1024]")
         self.config.affinity = affinity
         self.config.policy = policy
+        self.config.prewarm_top = prewarm_top
+        self.prewarmer.set_top(prewarm_top)
         self.balancer.config = dataclasses.replace(self.balancer.config, affinity=affinity, policy=policy)
-        log.info("event=config_applied affinity=%s policy=%s", affinity, policy)
+        log.info("event=config_applied affinity=%s policy=%s prewarm_top=%d", affinity, policy, prewarm_top)
         return self.runtime_config()
 
     def _shared_config(self, values: dict[str, str]) -> None:

@@ -31,6 +31,13 @@ class ProbeError(Exception):
     """A probe that did not prove the worker alive."""
 
 
+def refused(exc: BaseException) -> bool:
+    """True when ``exc`` is a refused connection: nothing listens at the worker's address."""
+    if isinstance(exc, ConnectionRefusedError):
+        return True
+    return isinstance(exc, aiohttp.ClientConnectorError) and isinstance(exc.os_error, ConnectionRefusedError)
+
+
 class HealthChecker:
     """One probe task per worker; started and stopped with the registry's membership."""
 
@@ -75,7 +82,7 @@ class HealthChecker:
             report = await self._load(w)
             models = None if w.models else await self._models(w)
         except (ProbeError, aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            self.registry.mark_failed(w, f"probe: {type(exc).__name__}: {exc}"[:200], time.time())
+            self.registry.mark_failed(w, f"probe: {type(exc).__name__}: {exc}"[:200], time.time(), refused(exc))
             return
         self.registry.mark_ok(w, time.time(), report=report, models=models)
         if w.state == DRAINING and w.worker_id is not None:

@@ -52,7 +52,7 @@ class RouterMetrics:
                                           buckets=TOKEN_ERROR_BUCKETS, registry=r)
         self.upstream_errors = Counter("prefixlb_router_upstream_errors_total",
                                        "Failed attempts to a worker (before the first byte: retried) and failed streams, by "
-                                       "kind (connect, timeout, status, disconnected, draining, aborted, "
+                                       "kind (refused, connect, timeout, status, disconnected, draining, aborted, "
                                        "mid_stream, truncated)",
                                        ["worker", "kind"], registry=r)
         self.retries = Counter("prefixlb_router_retries_total", "Requests retried on another worker",

@@ -133,6 +133,11 @@ class Prewarmer:
         self.enabled = False  # set once the router has started: the initial fleet joins directly
         self._tasks: set[asyncio.Task] = set()
 
+    def set_top(self, top: int) -> None:
+        """Change K at run time (0 turns pre-warming, and the tracking of hot prefixes, off)."""
+        self.top = top
+        self.hot.capacity = max(self.hot.capacity, 4 * top)
+
     def wants(self, w: "Worker") -> bool:
         """Registry hook for a worker that just passed its first probe: True if it is pre-warmed
         first (this schedules it; the registry then waits for ``warmed``)."""

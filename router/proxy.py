@@ -45,6 +45,7 @@ from aiohttp import web
 from protocol.openai_api import SERVER_ERROR, SERVICE_UNAVAILABLE, OpenAIError, error_body
 from router.admission import RETRY_AFTER_S, Admission, Overloaded
 from router.balancer import Balancer, Booking
+from router.health import refused
 from router.metrics import RouterMetrics
 from router.policy import Decision, NoCapacity
 from router.prompt import PromptKey
@@ -266,7 +267,7 @@ class Proxy:
         elif exc.kind not in NOT_HEALTH:
             worker = self.registry.get(worker_id)
             if worker is not None:
-                self.registry.mark_failed(worker, f"request: {exc.kind}: {exc}"[:200], now)
+                self.registry.mark_failed(worker, f"request: {exc.kind}: {exc}"[:200], now, exc.kind == "refused")
         log.warning("event=upstream_failed worker=%s kind=%s attempt=%d detail=%r", worker_id, exc.kind,
                     attempt, str(exc)[:200])
         if attempt < self.max_attempts:
@@ -280,7 +281,7 @@ class Proxy:
         except asyncio.TimeoutError as exc:
             raise _Failed("timeout", "timed out connecting") from exc
         except (aiohttp.ClientError, OSError) as exc:
-            raise _Failed("connect", f"{type(exc).__name__}: {exc}") from exc
+            raise _Failed("refused" if refused(exc) else "connect", f"{type(exc).__name__}: {exc}") from exc
         try:
             if upstream.status >= 500:
                 raise _status_failure(upstream.status, await upstream.content.read(ERROR_BODY_BYTES))

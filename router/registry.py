@@ -266,10 +266,11 @@ class WorkerRegistry:
         if info.status == DRAINING and w.state not in (DRAINING, DRAINED):
             self._set_state(w, DRAINING)
 
-    def mark_failed(self, w: Worker, error: str, now: float) -> None:
-        """A failed probe or request; ``unhealthy_after`` in a row open the worker's breaker."""
+    def mark_failed(self, w: Worker, error: str, now: float, refused: bool = False) -> None:
+        """A failed probe or request; ``unhealthy_after`` in a row open the worker's breaker, and
+        so does a single ``refused`` connection (nothing listens there)."""
         w.last_error = error
-        if w.breaker.record_failure(now) and w.state in (JOINING, WARMING, HEALTHY, RECOVERING):
+        if w.breaker.record_failure(now, refused) and w.state in (JOINING, WARMING, HEALTHY, RECOVERING):
             self._set_state(w, UNHEALTHY)
 
     def request_ok(self, worker_id: str, now: float) -> None:

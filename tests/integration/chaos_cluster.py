@@ -182,8 +182,9 @@ class LoadGenerator:
     """Client traffic in a background thread (see the module docstring)."""
 
     def __init__(self, routers: list[str], concurrency: int = 8, documents: int = 8, stream_tokens: int = 48,
-                 whole_tokens: int = 8, seed: int = 0, timeout: float = 60.0) -> None:
+                 whole_tokens: int = 8, seed: int = 0, timeout: float = 60.0, new_prefix_share: float = 0.0) -> None:
         self.routers = routers
+        self.new_prefix_share = new_prefix_share  # requests whose document nobody has seen before
         self.concurrency = concurrency
         self.documents = documents
         self.stream_tokens = stream_tokens
@@ -225,6 +226,8 @@ class LoadGenerator:
             stream = n % 2 == 0
             router = n % len(self.routers)
             doc = self._rng.randrange(self.documents)
+            if self._rng.random() < self.new_prefix_share:
+                doc = 1_000_000 + n
             body = {"model": MODEL, "prompt": document(doc) + f" Question {n}: what is due on day {n % 97}?",
                     "max_tokens": self.stream_tokens if stream else self.whole_tokens, "ignore_eos": True,
                     "stream": stream}

@@ -176,7 +176,7 @@ def test_affinity_set_on_one_router_reaches_the_other(cluster):
     admin = {"Authorization": "Bearer s3cret"}
     try:
         reply = call(r1.url + "/admin/config", "PUT", {"affinity": 0.35}, headers=admin)
-        assert reply.json == {"runtime": {"affinity": 0.35, "policy": "cache_aware"}, "shared": True}
+        assert reply.json == {"runtime": {"affinity": 0.35, "policy": "cache_aware", "prewarm_top": 0}, "shared": True}
         wait_for(lambda: call(r2.url + "/admin/config", headers=admin).json["runtime"]["affinity"] == 0.35, 10,
                  what="router2 to adopt the affinity")
     finally:

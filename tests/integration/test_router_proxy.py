@@ -210,12 +210,13 @@ async def test_the_admin_api_needs_the_token_and_manages_workers_and_config():
                 assert resp.status == 404
             async with http.put(url + "/admin/config", json={"affinity": 0.3, "policy": "least_load"},
                                 headers=ADMIN) as resp:
-                assert await resp.json() == {"runtime": {"affinity": 0.3, "policy": "least_load"}, "shared": False}
+                assert await resp.json() == {"runtime": {"affinity": 0.3, "policy": "least_load", "prewarm_top": 0},
+                                             "shared": False}
             async with http.put(url + "/admin/config", json={"affinity": 3}, headers=ADMIN) as resp:
                 assert resp.status == 400
             async with http.get(url + "/admin/config", headers=ADMIN) as resp:
                 cfg = await resp.json()
-        assert cfg["runtime"] == {"affinity": 0.3, "policy": "least_load"}
+        assert cfg["runtime"] == {"affinity": 0.3, "policy": "least_load", "prewarm_top": 0}
         assert cfg["settings"]["admin_token"] == "***"
         assert ctx.balancer.config.policy == "least_load"
 

@@ -20,6 +20,12 @@ def test_only_consecutive_failures_open_the_breaker():
     assert (b.state, b.opened_at, b.opens) == (OPEN, 22.0, 1)
 
 
+def test_a_refused_connection_opens_the_breaker_at_once():
+    b = Breaker(CONFIG)
+    assert b.record_failure(1.0, certain=True) is True  # nothing listens there: not a transient error
+    assert (b.state, b.opens) == (OPEN, 1)
+
+
 def test_an_open_breaker_half_opens_on_the_first_good_probe_after_its_cool_down():
     b = Breaker(CONFIG)
     for i in range(3):
