@@ -101,21 +101,17 @@ class HeldStream(threading.Thread):
         return out
 
 
-def hold_stream_on(url: str, worker: str, members: set[str], tokens: int = 1500) -> HeldStream:
-    """A long stream that landed on ``worker``: sessions whose ring owner it is, tried in turn."""
-    ring = WorkerRing(sorted(members))
-    for i in range(200):
-        session = f"held-{worker}-{i}"
-        body = {"model": MODEL, "prompt": f"A long story for session {session}."}
-        if ring.owner(prompt_key(body, False, 128, 8, session).ring_key) != worker:
-            continue
-        held = HeldStream(url, session, tokens)
+def hold_stream(url: str, avoid: set[str] = frozenset()) -> HeldStream:
+    """A long stream through the router at ``url``, held open; where it landed is ``.worker``
+    (a test then breaks that worker: which one does not matter, that a stream is on it does)."""
+    for i in range(50):
+        held = HeldStream(url, f"held-{time.time()}-{i}")
         held.start()
         assert held.started.wait(60), "the held stream did not start"
-        if held.worker == worker:
+        if held.worker not in avoid:
             return held
-        held.close()  # landed elsewhere (not a near-tie after all): try the next session
-    raise AssertionError(f"no stream landed on {worker}")
+        held.close()
+    raise AssertionError(f"every stream landed on {sorted(avoid)}")
 
 
 def assert_no_unannounced_failures(outcomes) -> list:
@@ -129,8 +125,8 @@ def assert_no_unannounced_failures(outcomes) -> list:
 def test_kill_9_of_a_worker_under_load_fails_only_streams_it_was_serving_and_traffic_moves_within_one_health_interval(
         healthy, load_s):
     cluster = healthy
-    victim = "w1"
-    held = hold_stream_on(cluster.routers[0].url, victim, WORKERS)
+    held = hold_stream(cluster.routers[0].url)
+    victim = held.worker
     with LoadGenerator(_urls(cluster), concurrency=8) as load:
         wait_for(lambda: len(load.outcomes) >= 20, 60, what="load to run")
         killed_at = time.time()
@@ -156,8 +152,8 @@ def test_kill_9_of_a_worker_under_load_fails_only_streams_it_was_serving_and_tra
 @pytest.mark.parametrize("stopped_s", [1.0, pytest.param(15.0, marks=pytest.mark.slow)])
 def test_sigstop_of_a_worker_is_a_hang_the_breaker_ends_and_sigcont_brings_it_back(healthy, stopped_s):
     cluster = healthy
-    victim = "w2"
-    held = hold_stream_on(cluster.routers[0].url, victim, WORKERS)
+    held = hold_stream(cluster.routers[0].url)
+    victim = held.worker
     proc = cluster.workers[victim]
     with LoadGenerator(_urls(cluster), concurrency=8) as load:
         wait_for(lambda: len(load.outcomes) >= 20, 60, what="load to run")
@@ -167,6 +163,7 @@ def test_sigstop_of_a_worker_is_a_hang_the_breaker_ends_and_sigcont_brings_it_ba
                      30, interval=0.1, what="the breakers to take the stopped worker out")
             out_at = time.time()
             time.sleep(stopped_s)
+            prewarmed = sum(metric(r, 'prefixlb_router_prewarm_requests_total{outcome="ok"}') for r in cluster.routers)
         finally:
             proc.signal(signal.SIGCONT)
         back_at = time.time()
@@ -178,10 +175,8 @@ def test_sigstop_of_a_worker_is_a_hang_the_breaker_ends_and_sigcont_brings_it_ba
     events = held.events()
     assert events[-2]["error"]["code"] == "upstream_failed" and events[-1] == "[DONE]"
     assert "aborted" in events[-2]["error"]["message"]  # the breaker ended it, not --read-timeout
-    # Back in rotation: a new conversation whose ring position is the worker goes to it.
-    again = hold_stream_on(cluster.routers[1].url, victim, WORKERS, tokens=8)
-    again.join(60)
-    assert again.events()[-1] == "[DONE]"
+    # Back in rotation, and serving: the routers re-warmed it (they had dropped what it held).
+    assert sum(metric(r, 'prefixlb_router_prewarm_requests_total{outcome="ok"}') for r in cluster.routers) > prewarmed
 
 
 @pytest.mark.parametrize("outage_s", [4.0, pytest.param(30.0, marks=pytest.mark.slow)])
@@ -221,27 +216,27 @@ def test_a_restarted_router_sends_its_first_requests_to_the_same_workers_as_befo
     cluster = healthy
     router = cluster.routers[0]
     ring = WorkerRing(sorted(WORKERS))
-    # Documents placed where a cold router would *not* put them: each first arrives in a
-    # session whose ring position is another worker than the document's own.
+    # Documents placed where a cold router would *not* put them: each first arrives in a session
+    # (placed by the session's ring position); those that landed off their own ring position
+    # tell a warm router (it follows the cache) from a cold one (it follows the ring).
     placed = []
-    for i in range(6):
+    for i in range(12):
         prompt = f"Restart probe {i} at {time.time()}: " + document(100 + i)
         owner = ring.owner(prompt_key({"model": MODEL, "prompt": prompt}, False, 128, 8).ring_key)
-        session = next(s for s in (f"restart-{i}-{j}" for j in range(100))
-                       if ring.owner(prompt_key({"model": MODEL, "prompt": prompt}, False, 128, 8, s).ring_key) != owner)
         reply = call(router.url + "/v1/completions", "POST", {"model": MODEL, "prompt": prompt, "max_tokens": 1},
-                     headers={"X-Session-Id": session})
+                     headers={"X-Session-Id": f"restart-{i}-{time.time()}"})
         assert reply.status == 200
-        placed.append((prompt, reply.headers["x-prefixlb-worker"], owner))
-    assert all(worker != owner for _, worker, owner in placed)
+        if reply.headers["x-prefixlb-worker"] != owner:
+            placed.append((prompt, reply.headers["x-prefixlb-worker"]))
+    assert len(placed) >= 3, "too few documents placed off their ring position to prove anything"
 
     def route(url: str) -> list[tuple[str, str]]:
         replies = [call(url + "/v1/completions", "POST", {"model": MODEL, "prompt": p, "max_tokens": 1})
-                   for p, _, _ in placed]
+                   for p, _ in placed]
         assert all(r.status == 200 for r in replies)
         return [(r.headers["x-prefixlb-worker"], r.headers["x-prefixlb-route-reason"]) for r in replies]
 
-    expected = [(worker, "prefix") for _, worker, _ in placed]
+    expected = [(worker, "prefix") for _, worker in placed]
     assert route(router.url) == expected
     router.stop()  # SIGTERM: it writes a last snapshot
     restarted = cluster.start_router(0)
