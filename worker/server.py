@@ -26,7 +26,7 @@ from protocol.openai_api import RequestLimits
 from worker.api import openai_routes, probes
 from worker.api.auth import api_key_middleware
 from worker.api.context import CTX, WorkerContext
-from worker.api.errors import error_middleware
+from worker.api.errors import OpenAIErrorServer, error_middleware
 from worker.async_engine import AsyncLLMEngine
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
@@ -127,6 +127,8 @@ async def serve(cfg: WorkerConfig, ready: asyncio.Event | None = None) -> int:
     async_engine.add_kv_event_listener(ctx.on_kv_events)
     runner = web.AppRunner(create_app(ctx), handler_cancellation=True, access_log=None)
     await runner.setup()
+    assert type(runner.server) is web.Server
+    runner.server.__class__ = OpenAIErrorServer  # malformed HTTP gets OpenAI-shaped JSON errors too
     site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True)
     await site.start()
     if ctx.publisher is not None:

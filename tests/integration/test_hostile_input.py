@@ -135,6 +135,13 @@ def test_header_abuse_gets_a_4xx_in_openai_shape(servers, headers, status, code)
     _expect(reply, status, code)
 
 
+@pytest.mark.parametrize("headers", [{"X-Junk": "a" * 20_000}, {f"X-Junk-{i}": "x" for i in range(300)}])
+def test_header_abuse_on_the_worker_gets_a_4xx_in_openai_shape_too(servers, headers):
+    _, worker = servers
+    _expect(call(worker.url + "/health", headers=headers), 400, "malformed_request")
+    assert call(worker.url + "/health").status == 200
+
+
 def test_a_slow_client_is_cut_off_with_a_408(servers):
     router, _ = servers
     with socket.create_connection(("127.0.0.1", router.port), timeout=10) as s:
