@@ -85,18 +85,19 @@ def paged_decode_attention(
     del max_context_len
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    out = torch.zeros_like(q)
+    # One query position, so a group's query heads are just more rows against one KV head.
+    queries = q.float().view(num_seqs, 1, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    tables = block_tables.long()
+    outs = []
     for s, context_len in enumerate(context_lens.tolist()):
         if context_len == 0:
+            outs.append(q.new_zeros(1, num_heads, head_dim, dtype=torch.float32))
             continue
-        keys = _heads_first(gather_kv(k_cache, block_tables[s], context_len))  # [1, Hkv, T, D]
-        values = _heads_first(gather_kv(v_cache, block_tables[s], context_len))
-        # One query position, so the group's query heads are just more rows against one KV head.
-        queries = q[s].float().view(1, num_kv_heads, group, head_dim)
-        seq_out = F.scaled_dot_product_attention(queries, keys, values, scale=scale)
-        out[s] = seq_out.view(num_heads, head_dim).to(q.dtype)
-    return out
+        keys = _sequence_kv(k_cache, tables[s], context_len)  # [1, Hkv, T, D]
+        values = _sequence_kv(v_cache, tables[s], context_len)
+        seq_out = F.scaled_dot_product_attention(queries[s], keys, values, scale=scale)
+        outs.append(seq_out.view(1, num_heads, head_dim))
+    return torch.cat(outs).to(q.dtype) if outs else torch.zeros_like(q)
 
 
 def prefix_extend_attention(
@@ -122,17 +123,17 @@ def prefix_extend_attention(
     device-to-host read); the per-sequence loop here does not need it.
     """
     del max_query_len
-    num_heads, head_dim = q.shape[1], q.shape[2]
     out = torch.zeros_like(q)
     starts = query_start_loc.tolist()
+    tables = block_tables.long()
     for s, context_len in enumerate(context_lens.tolist()):
         begin, end = starts[s], starts[s + 1]
         q_len = end - begin
         if q_len == 0 or context_len == 0:
             continue
-        keys = _heads_first(gather_kv(k_cache, block_tables[s], context_len))  # [1, Hkv, T, D]
-        values = _heads_first(gather_kv(v_cache, block_tables[s], context_len))
-        queries = _heads_first(q[begin:end])  # [1, Hq, q_len, D]
+        keys = _sequence_kv(k_cache, tables[s], context_len)  # [1, Hkv, T, D]
+        values = _sequence_kv(v_cache, tables[s], context_len)
+        queries = q[begin:end].float().transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
         # SDPA's `is_causal` aligns the diagonal top-left; here the new tokens are the *last*
         # `q_len` positions, so with a cached prefix the mask is explicit (bottom-right).
         mask, is_causal = None, False
@@ -148,8 +149,13 @@ def prefix_extend_attention(
     return out
 
 
-def _heads_first(x: torch.Tensor) -> torch.Tensor:
-    """`[tokens, heads, head_dim]` as an fp32 `[1, heads, tokens, head_dim]` view (a copy only
-    to convert a half-precision input). Four dimensions select SDPA's fused CPU kernel; three
-    would take the unfused math path."""
-    return x.float().transpose(0, 1).unsqueeze(0)
+def _sequence_kv(cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """One sequence's first `num_tokens` tokens as fp32 `[1, kv_heads, num_tokens, head_dim]`.
+
+    `block_ids`: the sequence's int64 block-table row. The result is a transposed view of one
+    contiguous gather: SDPA's fused CPU kernel reads strided K/V, and a 4-D input selects that
+    kernel (a 3-D one takes the unfused math path).
+    """
+    num_blocks = (num_tokens + cache.shape[1] - 1) // cache.shape[1]
+    blocks = cache.index_select(0, block_ids[:num_blocks])
+    return blocks.flatten(0, 1)[:num_tokens].float().transpose(0, 1).unsqueeze(0)

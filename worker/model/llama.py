@@ -66,14 +66,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``q`` ``[T, Hq, D]`` and ``k`` ``[T, Hkv, D]`` by their positions ``[T]``."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos``, ``sin`` ``[T, 1, D]`` of positions ``[T]`` (looked up once per forward pass)."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[T, heads, D]`` rotated by its tokens' ``cos``/``sin`` (computed in fp32)."""
     dtype = x.dtype
     x = x.float()
     half = x.shape[-1] // 2
@@ -95,14 +94,15 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, rope: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+        qkv = self.qkv_proj(x)
+        # q and k are adjacent columns of the fused projection: rotate them as one tensor of
+        # num_heads + num_kv_heads heads (one set of RoPE ops per layer instead of two).
+        qk = apply_rotary(qkv[:, :self.q_size + self.kv_size].view(n, -1, self.head_dim), *rope)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         backend = ctx.backend
         backend.write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)  # type: ignore[attr-defined]
@@ -144,9 +144,9 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, rope: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), rope, kv_cache, ctx)
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -176,8 +176,9 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], ctx: AttentionContext) -> torch.Tensor:
         """Hidden states ``[num_tokens, hidden]`` (before the final norm) of the flattened batch."""
         x = self.model.embed_tokens(input_ids)
+        rope = self.rotary_emb(positions)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(positions, x, self.rotary_emb, kv_cache, ctx)
+            x = layer(x, rope, kv_cache, ctx)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
