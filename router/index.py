@@ -157,11 +157,18 @@ class PrefixIndex:
                 lo = mid
             else:
                 hi = mid - 1
+        # The search above assumes holdings are prefix-closed; a hash no live worker holds in the
+        # middle (evicted, removed, expired) breaks that, and no cache serves past it: the
+        # verifying walk (which also marks the prefix most recently used) ends the match there.
+        touch = self._map.move_to_end
+        for i in range(lo):
+            entry = get(hashes[i])
+            if not entry or not self._live_in(entry, now):
+                lo = i
+                break
+            touch(hashes[i])
         if lo == 0:
             return {}, True
-        touch = self._map.move_to_end
-        for h in hashes[:lo]:
-            touch(h)
         live = self._live
         result: dict[str, int] = {}
         level = lo

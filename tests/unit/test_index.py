@@ -147,3 +147,19 @@ def test_the_longest_match_search_skips_expired_and_cleared_holders():
     index.clear_worker("w2")
     top, _ = index.match_top(CHAIN, now=11.0, limit=2)
     assert set(top.values()) == {2}
+
+
+def test_a_hash_missing_in_the_middle_of_a_popular_chain_ends_every_match_there():
+    # Seen in a multi-turn sweep: the longest-match search found live holders deep in a chain
+    # whose h_2 no worker held any more (its last holder's block was evicted), and then raised
+    # KeyError touching h_2. A prefix cache never serves past a missing block: every match ends at 1.
+    index = PrefixIndex()
+    for w in range(3):
+        index.insert(CHAIN[:2], f"w{w}", now=0.0, confirmed=True)
+    index.insert(CHAIN, "w0", now=0.0, confirmed=True)
+    for w in range(3):
+        index.remove([CHAIN[1]], f"w{w}")
+    top, complete = index.match_top(CHAIN, now=1.0, limit=2)
+    assert not complete
+    assert list(top.values()) == [1, 1]
+    assert index.match(CHAIN, now=1.0) == {"w0": 1, "w1": 1, "w2": 1}
