@@ -25,7 +25,7 @@ from worker.runner import ModelRunner
 from worker.sampling_params import SamplingParams
 from worker.scheduler import Scheduler
 from worker.sequence import Sequence, SequenceStatus
-from worker.stats import EngineStats, SpeedMeter
+from worker.stats import EngineStats, engine_speed_meter, prefill_work
 from worker.tokenizer import ByteTokenizer, Tokenizer
 
 
@@ -61,8 +61,8 @@ class LLMEngine:
         tok_eos = getattr(self.tokenizer, "eos_token_id", None)
         self.eos_token_ids = sorted(set(eos) | ({tok_eos} if tok_eos is not None else set()))
         self.scheduler = Scheduler(config, num_blocks)
-        self.speed = SpeedMeter(config.default_prefill_tokens_per_s, config.default_decode_step_s,
-                                config.speed_ema_alpha)
+        self.speed = engine_speed_meter(config.default_prefill_tokens_per_s, config.default_decode_step_s,
+                                        config.max_num_batched_tokens, config.speed_ema_alpha)
         self._states: dict[str, RequestState] = {}
         self._pending: list[RequestOutput] = []
         self.prompt_tokens_total = 0
@@ -140,7 +140,7 @@ class LLMEngine:
                     self._states.pop(rid, None)
                     self.requests_finished += 1
             raise EngineStepError(failed, exc) from exc
-        duration = time.perf_counter() - start
+        duration = time.perf_counter() - start if result.step_s is None else result.step_s
         self.scheduler.on_step_done(batch)
         self.num_steps += 1
         now = time.monotonic()
@@ -160,7 +160,8 @@ class LLMEngine:
                 self._states.pop(s.request_id, None)
                 self.requests_finished += 1
             outputs.append(out)
-        self.speed.observe(duration, batch.num_prefill_tokens, batch.num_decode_seqs)
+        work = prefill_work((s.num_scheduled_tokens, s.num_computed_tokens) for s in batch.seqs if s.is_prefill)
+        self.speed.observe(duration, batch.num_prefill_tokens, batch.num_decode_seqs, work)
         return outputs
 
     def generate(self, prompts: Iterable[list[int]], params: SamplingParams | list[SamplingParams],

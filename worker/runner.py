@@ -75,10 +75,15 @@ class ScheduledBatch:
 
 @dataclass(slots=True)
 class RunnerOutput:
-    """Sampled token (and optional logprobs) per request id that sampled this step."""
+    """Sampled token (and optional logprobs) per request id that sampled this step.
+
+    ``step_s``: the step's duration when the runner knows it better than the engine's wall
+    clock (the simulated runner: its modelled time over the time scale); None = measure it.
+    """
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    step_s: float | None = None
 
 
 class ModelRunner(Protocol):

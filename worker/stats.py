@@ -2,7 +2,26 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Iterable
+
+# The context length at which a prefill token's attention costs as much as its linear work: the
+# unit of the measured prefill speed, shared with the router's cost model (its
+# ``--attention-knee-tokens`` default). Llama-3-8B's ratio is ~28.6K tokens, 70B's ~53K.
+ATTENTION_KNEE_TOKENS = 32768.0
+
+
+def prefill_work(chunks: Iterable[tuple[int, int]], knee: float = ATTENTION_KNEE_TOKENS) -> float:
+    """Linear-equivalent tokens of prefill chunks ``(new, computed)``: ``sum n * (1 + (c + n/2) / knee)``.
+
+    The router predicts a prefill of ``n`` new tokens over ``c`` cached ones as ``n * (1 + (c +
+    n/2) / knee) / rate``; measuring ``rate`` as this work per second (rather than plain tokens per
+    second) makes it independent of the context lengths a worker happened to serve, so identical
+    GPUs report the same speed.
+    """
+    total = 0.0
+    for n, c in chunks:
+        total += n * (1.0 + (c + 0.5 * n) / knee)
+    return total
 
 
 @dataclass(slots=True)
@@ -14,8 +33,9 @@ class EngineStats:
     ``used_blocks`` are referenced by live requests; the three add up to ``total_blocks``.
     ``kv_usage`` = used / total. ``queued_prefill_tokens`` are uncomputed prompt (or recompute)
     tokens of waiting and partially prefilled requests; ``running_tokens`` the context tokens of
-    running requests. ``prefill_tokens_per_s`` and ``decode_step_s`` are EMAs over recent steps
-    (the configured defaults until measured; ``speed_measured`` says which).
+    running requests. ``prefill_tokens_per_s`` (linear-equivalent tokens per second, see
+    :func:`prefill_work`) and ``decode_step_s`` are EMAs over recent steps (the configured
+    defaults until measured; ``speed_measured`` says which).
     """
 
     running: int
@@ -64,10 +84,16 @@ class SpeedMeter:
     """Exponential moving averages of prefill throughput and decode step time.
 
     A pure-decode step updates ``decode_step_s``. A step with at least ``min_prefill_tokens``
-    prefill tokens updates ``prefill_tokens_per_s`` with ``tokens / (duration - decode share)``,
-    the decode share being the current decode step estimate when the step also decoded (never
-    more than half the step). Small prefill chunks are skipped: fixed per-step overhead would
-    make them look slow.
+    prefill tokens updates ``prefill_tokens_per_s`` with ``work / (duration - decode share)``.
+    The decode share of a step that also decoded is what the router's load model charges for
+    it: ``decode_step_s * prefill_tokens / step_tokens`` (a full step's budget of prefill pays
+    one decode step; never more than half the step). With ``step_tokens`` 0 every mixed step is
+    charged a whole decode step -- too much for a short prefill riding along a decode batch,
+    whose step costs hardly more than the decode alone. ``work`` is the step's linear-equivalent prefill tokens
+    (:func:`prefill_work`, the unit the router predicts in; plain tokens if the caller does not
+    say). Small prefill chunks are skipped: a step's fixed costs (reading the weights, launch
+    overhead) would make them look slow, and a worker serving short cache-hit suffixes would
+    report a speed its long prefills never see.
 
     Once measured, a sample more than ``max_jump`` times off the current estimate is clipped to
     that factor before averaging. A stall (the process stopped, swapped or paused mid-step)
@@ -77,8 +103,9 @@ class SpeedMeter:
     """
 
     def __init__(self, prefill_tokens_per_s: float, decode_step_s: float, alpha: float = 0.2,
-                 min_prefill_tokens: int = 32, max_jump: float = 10.0) -> None:
+                 min_prefill_tokens: int = 32, max_jump: float = 10.0, step_tokens: int = 0) -> None:
         self.prefill_tokens_per_s = prefill_tokens_per_s
+        self.step_tokens = step_tokens
         self.decode_step_s = decode_step_s
         self.alpha = alpha
         self.min_prefill_tokens = min_prefill_tokens
@@ -86,16 +113,21 @@ class SpeedMeter:
         self.prefill_measured = False
         self.decode_measured = False
 
-    def observe(self, duration_s: float, prefill_tokens: int, decode_seqs: int) -> None:
-        """Fold one step's duration into the averages."""
+    def observe(self, duration_s: float, prefill_tokens: int, decode_seqs: int,
+                prefill_work: float | None = None) -> None:
+        """Fold one step's duration into the averages (``prefill_work`` defaults to the tokens)."""
         if duration_s <= 0:
             return
         if prefill_tokens == 0 and decode_seqs > 0:
             self.decode_step_s = self._ema(self.decode_step_s, duration_s, self.decode_measured)
             self.decode_measured = True
         elif prefill_tokens >= self.min_prefill_tokens:
-            decode_share = min(self.decode_step_s, duration_s / 2) if decode_seqs else 0.0
-            rate = prefill_tokens / (duration_s - decode_share)
+            share = self.decode_step_s
+            if self.step_tokens > 0:
+                share *= min(1.0, prefill_tokens / self.step_tokens)
+            decode_share = min(share, duration_s / 2) if decode_seqs else 0.0
+            work = prefill_tokens if prefill_work is None else prefill_work
+            rate = work / (duration_s - decode_share)
             self.prefill_tokens_per_s = self._ema(self.prefill_tokens_per_s, rate, self.prefill_measured)
             self.prefill_measured = True
 
@@ -104,3 +136,15 @@ class SpeedMeter:
             return new
         new = min(max(new, old / self.max_jump), old * self.max_jump)
         return (1 - self.alpha) * old + self.alpha * new
+
+
+def engine_speed_meter(prefill_tokens_per_s: float, decode_step_s: float, max_num_batched_tokens: int,
+                       alpha: float = 0.2) -> SpeedMeter:
+    """The :class:`SpeedMeter` an engine with this step budget uses (the simulators too).
+
+    It measures prefill on steps of at least 1/32 of the budget (>= 32 tokens): below that a
+    step's time is mostly its fixed costs (an H100 reads Llama-3-8B's weights in ~6 ms, the
+    time of ~250 prefill tokens); and charges mixed steps their budget's share of a decode step.
+    """
+    return SpeedMeter(prefill_tokens_per_s, decode_step_s, alpha,
+                      min_prefill_tokens=max(32, max_num_batched_tokens // 32), step_tokens=max_num_batched_tokens)

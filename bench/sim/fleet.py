@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 from worker.simulator.latency import LatencyModel
 from worker.simulator.profiles import get_gpu, get_model
+from worker.simulator.runner import nominal_speed
 
 from bench.records import RequestRecord
 from bench.sim.router import NoCapacity, SimRouter, SimRouterConfig
@@ -78,7 +79,7 @@ def simulate(workload: Workload, cfg: FleetConfig) -> SimResult:
     started = time.perf_counter()
     latency = build_latency(cfg)
     workers = build_workers(cfg, latency)
-    prefill_rate, decode_step = latency.nominal_speed()
+    prefill_rate, decode_step = nominal_speed(latency)
     max_len = cfg.max_model_len or latency.model.max_model_len
     router = SimRouter(workers, cfg.router, cfg.unit, cfg.block_size, prefill_rate, decode_step)
     by_id = {w.worker_id: i for i, w in enumerate(workers)}

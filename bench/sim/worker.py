@@ -27,8 +27,9 @@ from __future__ import annotations
 from collections import deque
 
 from worker.kv_cache import BlockPool, BlockRemoved, BlockStored
-from worker.stats import SpeedMeter
+from worker.stats import ATTENTION_KNEE_TOKENS, engine_speed_meter
 from worker.simulator.latency import LatencyModel, StepShape
+from worker.simulator.runner import nominal_speed
 
 from bench.sim.decode_run import decode_run_time, decode_steps_done_by
 
@@ -101,8 +102,10 @@ class SimWorker:
         self.busy_s = 0.0
         self.num_preemptions = 0
         # Measured speed, as the engine measures it (``worker.stats.SpeedMeter``) and reports it.
-        self.speed = SpeedMeter(*latency.nominal_speed())
-        self._step_work = (0, 0)  # (prefill tokens, decoding sequences) of the step in flight
+        self.speed = engine_speed_meter(*nominal_speed(latency), max_num_batched_tokens)
+        # (prefill tokens, decoding sequences, prefill work) of the step in flight (SpeedMeter.observe)
+        self._step_work: tuple[int, int, float] = (0, 0, 0.0)
+        self._prefill_pairs = 0
         self._decodes = 0
         # Sums the policy reads as load, kept incrementally (no per-decision scans).
         self.queued_prefill_tokens = 0
@@ -209,7 +212,9 @@ class SimWorker:
             self._end = None
             return None
         self._batch = batch
-        self._step_work = (shape.tokens - self._decodes, self._decodes)
+        prefill = shape.tokens - self._decodes
+        # worker.stats.prefill_work from the shape's sums (n(n+1)/2 vs n^2/2: half a token per chunk)
+        self._step_work = (prefill, self._decodes, prefill + self._prefill_pairs / ATTENTION_KNEE_TOKENS)
         self._end = now + self.latency.step_time(shape)
         return self._end
 
@@ -351,6 +356,7 @@ class SimWorker:
             budget -= n
         # Decodes summed at once: what ``StepShape.add_decode`` adds, per decoding sequence.
         self._decodes = decodes
+        self._prefill_pairs = shape.attention_pairs
         shape.tokens += decodes
         shape.sampled += decodes
         shape.attention_pairs += decode_ctx

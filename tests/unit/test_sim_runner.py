@@ -7,7 +7,8 @@ from worker.runner import ScheduledBatch, ScheduledSequence
 from worker.sampling_params import SamplingParams
 from worker.simulator.latency import LatencyModel, StepShape
 from worker.simulator.profiles import get_gpu, get_model
-from worker.simulator.runner import SIM_TEXT, SimulatedRunner, VirtualClock, build_simulated_engine
+from worker.simulator.runner import SIM_TEXT, SimulatedRunner, VirtualClock, build_simulated_engine, nominal_speed
+from worker.stats import prefill_work
 
 
 class FakeTime:
@@ -100,3 +101,22 @@ def test_the_simulated_engine_serves_prefix_hits_from_its_real_block_pool():
     warm = engine.generate([prompt], params)[0]
     assert (cold.num_cached_tokens, warm.num_cached_tokens) == (0, 96)
     assert cold.token_ids == warm.token_ids == list(SIM_TEXT[:3])
+
+
+def test_a_step_reports_its_modelled_time_over_the_time_scale_whatever_the_wall_clock_did(runner):
+    # The fake clock never moves: a step whose sleep the virtual clock skipped (the engine fell
+    # behind) took no wall time, yet it must be reported as the modelled step.
+    batch = ScheduledBatch([_seq("a", 0, 2048, True, True)])
+    out = runner.execute(batch)
+    assert out.step_s == pytest.approx(runner.latency.step_time(runner.shape(batch)) / 10.0)
+
+
+def test_the_simulated_engine_measures_its_speed_on_modelled_time_in_the_routers_units():
+    engine, runner = build_simulated_engine("H100-80G", "llama-3-8b", time_scale=1e6, num_kv_blocks=1024)
+    nominal, _ = nominal_speed(runner.latency)
+    assert engine.stats().prefill_tokens_per_s == pytest.approx(nominal * 1e6)
+    engine.generate([[i % 256 for i in range(4000)]], SamplingParams(max_tokens=2, temperature=0.0))
+    shape = StepShape()
+    shape.add_prefill(4000, 0, samples=True)
+    step_s = runner.latency.step_time(shape) / 1e6
+    assert engine.stats().prefill_tokens_per_s == pytest.approx(prefill_work([(4000, 0)]) / step_s)

@@ -21,6 +21,7 @@ from worker.engine import LLMEngine
 from worker.runner import RunnerOutput, ScheduledBatch, TokenLogprob
 from worker.simulator.latency import LatencyModel, StepShape
 from worker.simulator.profiles import get_gpu, get_model
+from worker.stats import prefill_work
 from worker.tokenizer import BYTE_EOS_ID, ByteTokenizer
 
 SIM_TEXT = (b"The quick brown fox jumps over the lazy dog while the simulated model keeps "
@@ -83,10 +84,17 @@ class SimulatedRunner:
         return SIM_TEXT[output_index % len(SIM_TEXT)]
 
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
-        """Sleep the step's modelled time, then sample one token per sampling sequence."""
-        self.clock.advance(self.latency.step_time(self.shape(batch)))
+        """Sleep the step's modelled time, then sample one token per sampling sequence.
+
+        The output's ``step_s`` is the modelled time over the time scale: what the engine
+        measures its speed with. Its own wall-clock timing would be wrong both ways -- a step
+        whose sleep was skipped to catch up the virtual clock looks instantaneous (absurd
+        speeds), one delayed by CPU contention looks slow.
+        """
+        modelled = self.latency.step_time(self.shape(batch))
+        self.clock.advance(modelled)
         self.steps += 1
-        out = RunnerOutput()
+        out = RunnerOutput(step_s=modelled / self.clock.time_scale)
         for s in batch.seqs:
             if not s.samples:
                 continue
@@ -98,6 +106,16 @@ class SimulatedRunner:
                 top = [(token, 0.0)] + [((token + i) % 256, IMPOSSIBLE_LOGPROB) for i in range(1, k)]
                 out.logprobs[s.request_id] = TokenLogprob(token, 0.0, top[:k])
         return out
+
+
+def nominal_speed(latency: LatencyModel) -> tuple[float, float]:
+    """The profile's speed in the units the engine measures: (prefill work/s, decode step s).
+
+    The latency model's cold 2,048-token prefill expressed as linear-equivalent tokens per
+    second (:func:`worker.stats.prefill_work`), and its decode step at batch 1, 1,024 context.
+    """
+    tokens = 2048
+    return prefill_work([(tokens, 0)]) / latency.prefill_time(tokens), latency.decode_step_time(1, 1024)
 
 
 def build_simulated_engine(gpu: str, model: str, *, tp: int | None = None, time_scale: float = 1.0,
@@ -117,7 +135,7 @@ def build_simulated_engine(gpu: str, model: str, *, tp: int | None = None, time_
     if kv_memory_bytes and not num_kv_blocks:
         per_gpu_token = latency.model.kv_bytes_per_token / latency.tp
         blocks = int(kv_memory_bytes // per_gpu_token) // block_size
-    prefill_tps, decode_s = latency.nominal_speed()
+    prefill_tps, decode_s = nominal_speed(latency)
     config = EngineConfig(
         model=None, block_size=block_size, num_kv_blocks=blocks, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
