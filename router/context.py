@@ -27,7 +27,7 @@ from router.metrics import RouterMetrics
 from router.policy import POLICIES
 from router.prewarm import HotPrefixes, Prewarmer
 from router.proxy import Proxy
-from router.registry import HEALTHY, STATES, InvalidWorkerURL, WorkerRegistry
+from router.registry import ROUTABLE, STATES, InvalidWorkerURL, WorkerRegistry
 from router.state import RedisState
 from router.worker_url import WorkerURLPolicy
 
@@ -135,7 +135,7 @@ class RouterContext:
         for w in self.registry.all():
             if w.worker_id is None:
                 continue
-            healthy.add_metric([w.worker_id], 1.0 if w.state == HEALTHY else 0.0)
+            healthy.add_metric([w.worker_id], 1.0 if w.state in ROUTABLE else 0.0)
             load = self.balancer.board.get(w.worker_id)
             if load is not None:
                 inflight.add_metric([w.worker_id], load.in_system)
