@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=100_000)
     p.add_argument("--unit", type=int, default=512, help="simulator block in tokens")
     p.add_argument("--policy", default="cache_aware")
+    p.add_argument("--reference", action="store_true",
+                   help="step with the reference worker (every running request every step), not the aggregate one")
     p.add_argument("--profile", action="store_true")
     args = p.parse_args(argv)
     w = args.workers
@@ -36,18 +38,22 @@ def main(argv: list[str] | None = None) -> int:
     workload = load_workload("system-prompt", 0, args.requests, {
         "rate": str(3.0 * w), "tenants": str(5 * w), "system_tokens": "2048", "output_tokens": "32-128"})
     t1 = time.perf_counter()
-    cfg = FleetConfig(workers=w, unit=args.unit, router=SimRouterConfig(policy=args.policy))
+    cfg = FleetConfig(workers=w, unit=args.unit, router=SimRouterConfig(policy=args.policy),
+                      aggregate=not args.reference)
     prof = cProfile.Profile() if args.profile else None
     if prof:
         prof.enable()
+    cpu = time.process_time()
     result = simulate(workload, cfg)
+    cpu = time.process_time() - cpu
     if prof:
         prof.disable()
     t2 = time.perf_counter()
     s = summarize(result.records)
-    print(f"workers={w} requests={args.requests} unit={args.unit} policy={args.policy}")
-    print(f"workload generation {t1 - t0:.1f} s; simulation {t2 - t1:.1f} s "
-          f"({(t2 - t1) / args.requests * 1e6:.0f} us/request); virtual span "
+    print(f"workers={w} requests={args.requests} unit={args.unit} policy={args.policy} "
+          f"worker={'reference' if args.reference else 'aggregate'}")
+    print(f"workload generation {t1 - t0:.1f} s; simulation {t2 - t1:.1f} s wall, {cpu:.1f} s CPU "
+          f"({(t2 - t1) / args.requests * 1e6:.0f} us/request wall); virtual span "
           f"{workload.requests[-1].arrival_s:.0f} s; busy {result.meta['mean_utilisation']:.0%}; "
           f"hit rate {s['hit_rate']:.3f}; TTFT p50 {s['ttft_ms']['p50']:.0f} ms p99 {s['ttft_ms']['p99']:.0f} ms")
     if prof:

@@ -18,6 +18,7 @@ from worker.simulator.profiles import get_gpu, get_model
 from worker.simulator.runner import nominal_speed
 
 from bench.records import RequestRecord
+from bench.sim.aggregate import make_worker
 from bench.sim.router import NoCapacity, SimRouter, SimRouterConfig
 from bench.sim.worker import SimRequest, SimWorker
 from bench.workloads import Workload, unit_hashes
@@ -40,6 +41,7 @@ class FleetConfig:
     speedup: float = 1.0
     upper_bound: bool = False  # one worker with the whole fleet's capacity and compute
     decode_runs: bool = True  # sum runs of decode-only steps in closed form (False: step by step)
+    aggregate: bool = True  # decode state as aggregates (bench.sim.aggregate; False: the reference worker)
     max_model_len: int | None = None  # default: the model profile's context length
     router: SimRouterConfig = field(default_factory=SimRouterConfig)
 
@@ -69,9 +71,9 @@ def build_workers(cfg: FleetConfig, latency: LatencyModel) -> list[SimWorker]:
                          else LatencyModel(latency.gpu, latency.model, tp=cfg.tp).kv_capacity_tokens())
     n = 1 if cfg.upper_bound else cfg.workers
     scale = cfg.workers if cfg.upper_bound else 1
-    return [SimWorker(f"sim-{i}", latency, per_worker_tokens * scale // cfg.unit, cfg.unit,
-                      cfg.max_num_seqs * scale, cfg.max_num_batched_tokens * scale,
-                      decode_runs=cfg.decode_runs) for i in range(n)]
+    return [make_worker(f"sim-{i}", latency, per_worker_tokens * scale // cfg.unit, cfg.unit,
+                        cfg.max_num_seqs * scale, cfg.max_num_batched_tokens * scale,
+                        decode_runs=cfg.decode_runs, aggregate=cfg.aggregate) for i in range(n)]
 
 
 def simulate(workload: Workload, cfg: FleetConfig) -> SimResult:

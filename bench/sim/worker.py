@@ -44,7 +44,7 @@ class SimRequest:
 
     __slots__ = ("index", "arrival", "hashes", "num_prompt", "max_tokens", "session", "num_computed",
                  "num_output", "cached_tokens", "first_token_at", "finished_at", "blocks",
-                 "num_registered", "worker_id", "error", "prefill_left")
+                 "num_registered", "worker_id", "error", "prefill_left", "tick0", "dseq")
 
     def __init__(self, index: int, arrival: float, hashes: list[int], num_prompt: int, max_tokens: int,
                  session: str | None = None) -> None:
@@ -64,6 +64,9 @@ class SimRequest:
         self.worker_id: str | None = None
         self.error: str | None = None
         self.prefill_left = 0  # tokens still to prefill (0 once decoding)
+        # AggregateWorker's decode bookkeeping: num_output = worker tick + tick0 while dseq >= 0.
+        self.tick0 = 0
+        self.dseq = -1
 
     @property
     def num_tokens(self) -> int:
@@ -208,7 +211,7 @@ class SimWorker:
             self._end = now + self._run_time(*run)
             return self._end
         batch, shape = self._schedule()
-        if not batch:
+        if not batch and not self._decodes:  # (AggregateWorker's batch lists prefill chunks only)
             self._end = None
             return None
         self._batch = batch
@@ -227,9 +230,9 @@ class SimWorker:
         k = 1 << 62
         ctx = 0
         for req in running:
+            if req.prefill_left:
+                return None  # still prefilling (even with 1 token left: its first token is not out)
             n = req.num_tokens
-            if req.num_computed != n - 1:
-                return None  # still prefilling
             k = min(k, req.max_tokens - req.num_output, len(req.blocks) * unit - n + 1)
             ctx += n
         if k < 2:

@@ -1,0 +1,276 @@
+"""A simulated replica whose decoding requests are kept as aggregates: step cost O(prefills), not O(batch).
+
+:class:`~bench.sim.worker.SimWorker` is the reference: it restates the engine's scheduling rules
+by touching every running request on every step. At 1,000 replicas a hot one runs 256 requests
+and that loop is most of the simulator's time. :class:`AggregateWorker` gives exactly the same
+results (the same step shapes, the same BlockPool calls in the same order, hence bit-identical
+times and KV events; tests compare the two) by using what the rules imply about decoding
+requests:
+
+- the running list is always ``[decoding ... | prefilling ...]`` in admission order: a request
+  is admitted at the tail, only the last one scheduled in a step can be left partially
+  prefilled, and preemption takes from the tail; so the decoding ones are a prefix of
+  ``running`` (``_ndec`` long);
+- while ``max_num_seqs <= max_num_batched_tokens`` every decoding request gets exactly one
+  token every step, so its progress is the replica's decode clock ``_tick``: a decoding
+  request's true ``num_output`` is ``_tick + req.tick0`` (its stored counters are stale until
+  it leaves the decoding prefix, when :meth:`_sync` writes them);
+- a decoding request changes anything else only when it finishes or needs a new block, at
+  known clock values: two heaps (``_finish_at``, ``_block_at``) hold them, so a step or a
+  closed-form decode run looks only at the requests whose moment has come.
+
+A heap entry is ``(tick, dseq, ...)``; ``dseq`` numbers a request's membership of the decoding
+prefix (in running order), so an entry is stale once ``req.dseq`` changed (finished,
+preempted) or, for a block entry, once the request holds another number of blocks.
+"""
+from __future__ import annotations
+
+import heapq
+
+from worker.simulator.latency import LatencyModel, StepShape
+
+from bench.sim.worker import SimRequest, SimWorker, cdiv
+
+
+class AggregateWorker(SimWorker):
+    """:class:`SimWorker` with decode state as aggregates; same interface, same results.
+
+    Requires ``max_num_seqs <= max_num_batched_tokens`` (every decode fits each step's budget);
+    :func:`make_worker` falls back to the reference otherwise.
+    """
+
+    def __init__(self, worker_id: str, latency: LatencyModel, num_blocks: int, unit: int,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+                 enable_caching: bool = True, decode_runs: bool = True) -> None:
+        if max_num_seqs > max_num_batched_tokens:
+            raise ValueError("AggregateWorker needs max_num_seqs <= max_num_batched_tokens")
+        super().__init__(worker_id, latency, num_blocks, unit, max_num_seqs, max_num_batched_tokens,
+                         enable_caching, decode_runs)
+        self._tick = 0  # decode steps this replica has run: the decoding requests' shared clock
+        self._ndec = 0  # running[:_ndec] are decoding
+        self._dseq = 0
+        self._dec_base = 0  # sum of (num_prompt + tick0) over decoding requests: their context - ndec * tick
+        self._finish_at: list[tuple[int, int, SimRequest]] = []  # (tick it finishes at, dseq, req)
+        self._block_at: list[tuple[int, int, int, SimRequest]] = []  # (tick it needs a block at, dseq, blocks, req)
+
+    # ------------------------------------------------------------------ decoding prefix
+
+    def _join(self, req: SimRequest) -> None:
+        """``req`` (its first token just out, now at ``running[_ndec]``) starts decoding."""
+        tick0 = req.num_output - self._tick
+        req.tick0 = tick0
+        self._dseq += 1
+        req.dseq = dseq = self._dseq
+        self._ndec += 1
+        self._dec_base += req.num_prompt + tick0
+        heapq.heappush(self._finish_at, (req.max_tokens - tick0, dseq, req))
+        self._push_block_need(req)
+
+    def _push_block_need(self, req: SimRequest) -> None:
+        # A decode needs a new block on the step whose context exceeds its blocks' capacity.
+        nblocks = len(req.blocks)
+        heapq.heappush(self._block_at, (nblocks * self.unit - req.num_prompt - req.tick0 + 1, req.dseq,
+                                        nblocks, req))
+
+    def _sync(self, req: SimRequest) -> None:
+        """Write a decoding request's true counters into it."""
+        req.num_output = self._tick + req.tick0
+        req.num_computed = req.num_prompt + req.num_output - 1
+
+    def _leave(self, req: SimRequest) -> None:
+        """``req`` stops decoding (finished or preempted); its counters are made true first."""
+        self._sync(req)
+        self._ndec -= 1
+        self._dec_base -= req.num_prompt + req.tick0
+        req.dseq = -1
+
+    def _next_finish(self) -> int:
+        heap = self._finish_at
+        while heap[0][2].dseq != heap[0][1]:
+            heapq.heappop(heap)
+        return heap[0][0]
+
+    def _next_block_need(self) -> int:
+        heap = self._block_at
+        while True:
+            _, dseq, nblocks, req = heap[0]
+            if req.dseq == dseq and len(req.blocks) == nblocks:
+                return heap[0][0]
+            heapq.heappop(heap)
+
+    # ------------------------------------------------------------------ stepping
+
+    def _decode_run(self) -> tuple[float, float, float, float, int] | None:
+        b = self._ndec
+        if not self.decode_runs or not b or b != len(self.running) or self.waiting and self._can_admit_head():
+            return None
+        k = min(self._next_finish(), self._next_block_need()) - self._tick
+        if k < 2:
+            return None
+        ctx = self.running_tokens  # every running request is decoding
+        c0 = self._c_tok * b + self._c_ctx * ctx
+        m0 = self._m_base + self._m_ctx * ctx
+        return (c0, self._c_ctx * b, m0, self._m_ctx * b, k)
+
+    def on_event(self, now: float) -> float | None:
+        self.busy_s += now - self._start
+        if self._run is not None:
+            c0, c1, m0, m1, k = self._run
+            b = self._ndec
+            observe, oh = self.speed.observe, self._oh
+            for i in range(k):  # the engine measures every step; so does the simulated one
+                observe(oh + max(c0 + c1 * i, m0 + m1 * i), 0, b)
+            self._tick += k
+            self.running_tokens += k * b
+            self._finish(self._pop_finished(), now)
+        else:
+            self.speed.observe(now - self._start, *self._step_work)
+            self._apply_step(now)
+        self._run = None
+        self._batch = []
+        self._end = None
+        if self.waiting or self.running:
+            return self._start_step(now)
+        return None
+
+    def _pop_finished(self) -> list[SimRequest]:
+        """Decoding requests whose last token is out at the current tick, in running order."""
+        done = []
+        heap, tick = self._finish_at, self._tick
+        while heap and heap[0][0] <= tick:
+            _, dseq, req = heapq.heappop(heap)
+            if req.dseq == dseq:
+                done.append(req)
+        return done
+
+    def _schedule(self) -> tuple[list[tuple[SimRequest, int]], StepShape]:
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[SimRequest, int]] = []
+        shape = StepShape()
+        running = self.running
+        preempted = stopped = False
+        # Decodes whose context outgrew their blocks get one now, in running order; when none is
+        # free, the most recently admitted requests are preempted (the reference's loop, for them).
+        if self._ndec and self._next_block_need() <= self._tick:
+            needy = []
+            heap, tick = self._block_at, self._tick
+            while heap and heap[0][0] <= tick:
+                _, dseq, nblocks, req = heapq.heappop(heap)
+                if req.dseq == dseq and len(req.blocks) == nblocks:
+                    needy.append(req)
+            for req in needy:
+                if req.dseq < 0:
+                    continue  # preempted for an earlier one
+                self._sync(req)
+                ok = self._allocate(req, 1)
+                while not ok:
+                    victim = running[-1]
+                    self._preempt(victim)
+                    preempted = True
+                    if victim is req:
+                        break
+                    ok = self._allocate(req, 1)
+                if not ok:
+                    stopped = True  # the reference's scheduling loop ends at this request
+                    break
+                self._push_block_need(req)
+        decodes = self._ndec
+        decode_ctx = self._dec_base + decodes * self._tick
+        budget -= decodes
+        i = decodes
+        while not stopped and i < len(running) and budget > 0:
+            req = running[i]
+            n = min(req.num_tokens - req.num_computed, budget)
+            ok = self._allocate(req, n)
+            while not ok:
+                victim = running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+                ok = self._allocate(req, n)
+            if not ok:
+                break
+            scheduled.append((req, n))
+            shape.add_prefill(n, req.num_computed, samples=req.num_computed + n == req.num_tokens)
+            budget -= n
+            i += 1
+        if not preempted:
+            self._admit(scheduled, shape, budget)
+        self._decodes = decodes
+        self._prefill_pairs = shape.attention_pairs
+        shape.tokens += decodes
+        shape.sampled += decodes
+        shape.attention_pairs += decode_ctx
+        shape.kv_tokens += decode_ctx
+        shape.num_seqs += decodes
+        return scheduled, shape
+
+    def _admit(self, scheduled: list[tuple[SimRequest, int]], shape: StepShape, budget: int) -> None:
+        """Strict-FCFS admission of waiting requests (the reference's rule, unchanged)."""
+        running = self.running
+        while self.waiting and budget > 0 and len(running) < self.max_num_seqs:
+            req = self.waiting[0]
+            hits, hit_tokens = self._cached_prefix(req)
+            n = min(req.num_tokens - hit_tokens, budget)
+            if not self._allocate(req, n, hits):
+                break
+            self.waiting.popleft()
+            self.queued_prefill_tokens -= hit_tokens
+            req.prefill_left -= hit_tokens
+            req.num_computed = hit_tokens
+            if req.cached_tokens < 0:
+                req.cached_tokens = hit_tokens
+            running.append(req)
+            self.running_tokens += req.num_tokens
+            scheduled.append((req, n))
+            shape.add_prefill(n, hit_tokens, samples=hit_tokens + n == req.num_tokens)
+            budget -= n
+
+    def _apply_step(self, now: float) -> None:
+        self._tick += 1  # every decoding request got its token
+        done = self._pop_finished()
+        decodes = self._decodes
+        pool, unit = self.pool, self.unit
+        for req, n in self._batch:  # prefill chunks only
+            req.prefill_left -= n
+            self.queued_prefill_tokens -= n
+            req.num_computed += n
+            if req.prefill_left == 0:
+                req.num_output += 1
+                decodes += 1
+                if req.first_token_at is None:
+                    req.first_token_at = now
+                    self.first_tokens.append(req)
+                if req.num_output >= req.max_tokens:
+                    done.append(req)
+                else:
+                    self._join(req)
+            num_full = min(req.num_computed // unit, len(req.blocks), len(req.hashes))
+            if num_full > req.num_registered:
+                pool.cache_blocks(req.blocks[req.num_registered:num_full], req.hashes[req.num_registered:num_full])
+                req.num_registered = num_full
+        self.running_tokens += decodes
+        self._finish(done, now)
+
+    def _preempt(self, req: SimRequest) -> None:
+        if req.dseq >= 0:
+            self._leave(req)
+        super()._preempt(req)
+
+    def _finish(self, done: list[SimRequest], now: float) -> None:
+        for req in done:
+            if req.dseq >= 0:
+                self._leave(req)
+        super()._finish(done, now)
+
+
+def make_worker(worker_id: str, latency: LatencyModel, num_blocks: int, unit: int, max_num_seqs: int,
+                max_num_batched_tokens: int, decode_runs: bool = True, aggregate: bool = True) -> SimWorker:
+    """A replica: :class:`AggregateWorker` when it applies and is asked for, else the reference."""
+    cls = AggregateWorker if aggregate and max_num_seqs <= max_num_batched_tokens else SimWorker
+    return cls(worker_id, latency, num_blocks, unit, max_num_seqs, max_num_batched_tokens,
+               decode_runs=decode_runs)
+
+
+__all__ = ["AggregateWorker", "cdiv", "make_worker"]

@@ -1,0 +1,110 @@
+"""The fleet simulator's fast paths give the reference's results: the aggregate worker exactly (same
+floats, same KV events, same routing), on small cases built to exercise preemption, chunked
+prefill, prefix hits and closed-form decode runs."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from bench.sim.aggregate import AggregateWorker, make_worker
+from bench.sim.fleet import FleetConfig, simulate
+from bench.sim.worker import SimRequest, SimWorker
+from bench.workloads import load_workload
+from worker.simulator.latency import LatencyModel
+from worker.simulator.profiles import get_gpu, get_model
+
+MOONCAKE = "/work/shared/traces/mooncake_synthetic_trace.jsonl"
+
+
+def _latency() -> LatencyModel:
+    return LatencyModel(get_gpu("H100-80G"), get_model("llama-3-8b"))
+
+
+def _comparable(result) -> tuple:
+    meta = dict(result.meta, fleet=dict(result.meta["fleet"]))
+    meta.pop("wall_s")
+    meta["fleet"].pop("aggregate")
+    return result.records, meta
+
+
+@pytest.mark.parametrize("workload, fleet", [
+    # A pool too small for the trace's working set: preemptions of decoding requests.
+    (f"mooncake:{MOONCAKE}", dict(workers=2, kv_blocks=9000, speedup=0.5)),
+    (f"mooncake:{MOONCAKE}", dict(workers=2, kv_blocks=9000, speedup=0.5, decode_runs=False)),
+    # Growing histories in 64-token blocks: decodes cross block boundaries, sessions, preemptions.
+    ("multi-turn", dict(workers=4, unit=64, kv_blocks=3000, speedup=4.0)),
+    # Small budget and batch: chunked prefills behind decodes, the router's in-flight limit.
+    ("system-prompt", dict(workers=2, unit=64, kv_blocks=700, max_num_seqs=64, max_num_batched_tokens=1024,
+                           speedup=5.0)),
+])
+def test_the_aggregate_worker_gives_exactly_the_reference_workers_results(workload, fleet):
+    wl = load_workload(workload, seed=2, num_requests=400)
+    reference = simulate(wl, FleetConfig(aggregate=False, **fleet))
+    aggregate = simulate(wl, FleetConfig(aggregate=True, **fleet))
+    assert _comparable(aggregate) == _comparable(reference)
+    if workload.startswith("mooncake"):
+        assert reference.meta["preemptions"] > 0  # the case is tight enough to matter
+
+
+def _replay(worker: SimWorker, arrivals: list[tuple[float, int, list[int], int, int]]) -> list[tuple]:
+    """Drive one worker through ``arrivals``; everything it exposes, after every call."""
+    log: list[tuple] = []
+    nxt: float | None = None
+    pending = list(arrivals)
+    while pending or nxt is not None:
+        if nxt is not None and (not pending or nxt <= pending[0][0]):
+            now = nxt
+            nxt = worker.on_event(now)
+            log.append((now, nxt, [r.index for r in worker.take_finished()],
+                        [r.index for r in worker.take_first_tokens()], worker.take_kv_events()))
+        else:
+            t, i, hashes, prompt, max_tokens = pending.pop(0)
+            started = worker.add(SimRequest(i, t, hashes, prompt, max_tokens), t)
+            nxt = started if started is not None else nxt
+        log.append((len(worker.running), len(worker.waiting), worker.running_tokens,
+                    worker.queued_prefill_tokens, worker.pool.get_num_free_blocks(), worker.num_preemptions,
+                    worker.speed.prefill_tokens_per_s, worker.speed.decode_step_s))
+    return log
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_lone_aggregate_worker_matches_the_reference_event_by_event_under_preemption(seed):
+    rng = random.Random(seed)
+    arrivals, t = [], 0.0
+    for i in range(80):
+        t += rng.expovariate(30.0)
+        prompt = rng.randint(40, 420)
+        hashes = [rng.randint(1, 4)] + [rng.randint(10, 10**9) for _ in range(5)]  # 4 shared first blocks
+        arrivals.append((t, i, hashes[:prompt // 64], prompt, rng.randint(1, 160)))
+    lm = _latency()
+    shape = dict(num_blocks=24, unit=64, max_num_seqs=12, max_num_batched_tokens=256)
+    reference, aggregate = SimWorker("w", lm, **shape), AggregateWorker("w", lm, **shape)
+    assert _replay(aggregate, arrivals) == _replay(reference, arrivals)
+    assert reference.num_preemptions > 0
+    aggregate.pool.check_invariants()
+
+
+def test_make_worker_uses_the_reference_when_decodes_may_not_fit_a_steps_budget():
+    lm = _latency()
+    assert type(make_worker("a", lm, 10, 64, max_num_seqs=256, max_num_batched_tokens=8192)) is AggregateWorker
+    assert type(make_worker("b", lm, 10, 64, max_num_seqs=512, max_num_batched_tokens=256)) is SimWorker
+    assert type(make_worker("c", lm, 10, 64, 256, 8192, aggregate=False)) is SimWorker
+
+
+@pytest.mark.parametrize("cls", [SimWorker, AggregateWorker])
+def test_a_request_left_with_one_prompt_token_is_still_prefilling_not_decoding(cls):
+    # Step 2 runs a's last decode and 199 of b's 200 prompt tokens (the budget is 200); a then
+    # finishes, leaving b alone with 1 prompt token to go: its next step emits its first token.
+    lm = _latency()
+    w = cls("w", lm, num_blocks=100, unit=64, max_num_seqs=8, max_num_batched_tokens=200)
+    a = SimRequest(0, 0.0, [], num_prompt=10, max_tokens=2)
+    b = SimRequest(1, 0.0, [], num_prompt=200, max_tokens=10)
+    t = w.add(a, 0.0)
+    w.add(b, t / 2)
+    ends = []
+    while t is not None:
+        ends.append(t)
+        t = w.on_event(t)
+    assert a.finished_at == ends[1]
+    assert b.first_token_at == ends[2] and b.num_output == 10 and b.prefill_left == 0
