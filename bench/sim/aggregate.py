@@ -29,6 +29,7 @@ import heapq
 
 from worker.simulator.latency import LatencyModel, StepShape
 
+from bench.sim.decode_run import observe_decode_run
 from bench.sim.worker import SimRequest, SimWorker, cdiv
 
 
@@ -117,9 +118,8 @@ class AggregateWorker(SimWorker):
         if self._run is not None:
             c0, c1, m0, m1, k = self._run
             b = self._ndec
-            observe, oh = self.speed.observe, self._oh
-            for i in range(k):  # the engine measures every step; so does the simulated one
-                observe(oh + max(c0 + c1 * i, m0 + m1 * i), 0, b)
+            # The engine measures every step; the run's k steps are folded in at once.
+            observe_decode_run(self.speed, self._oh, c0, c1, m0, m1, k, b)
             self._tick += k
             self.running_tokens += k * b
             self._finish(self._pop_finished(), now)

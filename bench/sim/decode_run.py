@@ -1,4 +1,4 @@
-"""Closed-form time of a run of decode-only steps (the fleet simulator's fast path).
+"""Closed forms for a run of decode-only steps (the fleet simulator's fast path).
 
 While nothing but time changes a replica's batch (``b`` sequences decoding, none finishing or
 needing a new block, no admission possible), step ``i`` of the run has the same shape as step 0
@@ -6,12 +6,22 @@ with ``b·i`` more context tokens. The latency model's roofline makes its durati
 
     t_i = overhead + max(c0 + c1·i, m0 + m1·i)
 
-(compute and memory time, each affine in ``i``), so the sum over ``k`` steps is two arithmetic
-series split where the lines cross — O(1) instead of ``k`` calls to ``step_time``.
+(compute and memory time, each affine in ``i``): on each side of the index where the two lines
+cross, ``t_i`` is one affine function of ``i``. So, in O(1) instead of ``k`` steps:
+
+- the run's duration is two arithmetic series (:func:`decode_run_time`);
+- the replica's measured decode step time, an exponential moving average that the engine
+  updates after every step (``worker.stats.SpeedMeter``), follows a linear recurrence on each
+  piece, ``e' = (1 - α)·e + α·(A + B·i)``, whose exact solution is
+  ``e_i = A + B·(i - 1/α) + (1 - α)^i·(e_0 - A + B/α)`` (:func:`observe_decode_run`; equal to
+  folding the steps one by one up to float rounding, and done step by step whenever the meter's
+  outlier clipping could act).
 """
 from __future__ import annotations
 
 import math
+
+from worker.stats import SpeedMeter
 
 
 def _affine_sum(a: float, b: float, i0: int, i1: int) -> float:
@@ -19,17 +29,24 @@ def _affine_sum(a: float, b: float, i0: int, i1: int) -> float:
     return (i1 - i0) * a + b * (i0 + i1 - 1) * (i1 - i0) / 2.0 if i1 > i0 else 0.0
 
 
+def _pieces(c0: float, c1: float, m0: float, m1: float, k: int) -> tuple[tuple[float, float, int, int], ...]:
+    """``(a, b, i0, i1)``: on ``i0 <= i < i1`` step ``i``'s roofline term ``max(..)`` is ``a + b·i``."""
+    d0, d1 = c0 - m0, c1 - m1  # step i is compute-bound exactly when d0 + d1·i >= 0
+    if d1 == 0.0:
+        return ((c0, c1, 0, k),) if d0 >= 0 else ((m0, m1, 0, k),)
+    if d1 > 0:  # memory-bound first, compute-bound from ``cross`` on
+        cross = min(k, max(0, math.ceil(-d0 / d1)))
+        return (m0, m1, 0, cross), (c0, c1, cross, k)
+    cross = min(k, max(0, math.floor(d0 / -d1) + 1)) if d0 >= 0 else 0  # compute-bound first
+    return (c0, c1, 0, cross), (m0, m1, cross, k)
+
+
 def decode_run_time(overhead: float, c0: float, c1: float, m0: float, m1: float, k: int) -> float:
     """Seconds of ``k`` steps whose step ``i`` takes ``overhead + max(c0 + c1·i, m0 + m1·i)``."""
     total = overhead * k
-    d0, d1 = c0 - m0, c1 - m1  # step i is compute-bound exactly when d0 + d1·i >= 0
-    if d1 == 0.0:
-        return total + (_affine_sum(c0, c1, 0, k) if d0 >= 0 else _affine_sum(m0, m1, 0, k))
-    if d1 > 0:  # memory-bound first, compute-bound from ``cross`` on
-        cross = min(k, max(0, math.ceil(-d0 / d1)))
-        return total + _affine_sum(m0, m1, 0, cross) + _affine_sum(c0, c1, cross, k)
-    cross = min(k, max(0, math.floor(d0 / -d1) + 1)) if d0 >= 0 else 0  # compute-bound first
-    return total + _affine_sum(c0, c1, 0, cross) + _affine_sum(m0, m1, cross, k)
+    for a, b, i0, i1 in _pieces(c0, c1, m0, m1, k):
+        total += _affine_sum(a, b, i0, i1)
+    return total
 
 
 def decode_steps_done_by(elapsed: float, overhead: float, c0: float, c1: float, m0: float, m1: float,
@@ -43,3 +60,33 @@ def decode_steps_done_by(elapsed: float, overhead: float, c0: float, c1: float, 
         else:
             hi = mid - 1
     return lo
+
+
+def observe_decode_run(speed: SpeedMeter, overhead: float, c0: float, c1: float, m0: float, m1: float, k: int,
+                       batch: int) -> None:
+    """Fold the run's ``k`` steps into ``speed`` as ``k`` calls of ``speed.observe(t_i, 0, batch)`` would."""
+    if k <= 0:
+        return
+    first = overhead + max(c0, m0)
+    last = overhead + max(c0 + c1 * (k - 1), m0 + m1 * (k - 1))
+    est = speed.decode_step_s if speed.decode_measured else first
+    # The estimate stays between its start and the samples, which grow with i (c1, m1 >= 0): if
+    # no sample is max_jump off any such value, the meter's clipping never acts. (The margin
+    # keeps rounding from deciding.)
+    jump = speed.max_jump * (1.0 - 1e-9)
+    if batch <= 0 or c1 < 0 or m1 < 0 or first <= 0 or max(est, last) > jump * first or \
+            last > jump * min(est, first):
+        for i in range(k):
+            speed.observe(overhead + max(c0 + c1 * i, m0 + m1 * i), 0, batch)
+        return
+    alpha = speed.alpha
+    keep = 1.0 - alpha
+    start = 0 if speed.decode_measured else 1  # an unmeasured meter takes its first sample as is
+    for a, b, i0, i1 in _pieces(c0, c1, m0, m1, k):
+        i0 = max(i0, start)
+        if i1 <= i0:
+            continue
+        base = overhead + a
+        est = base + b * (i1 - 1.0 / alpha) + keep ** (i1 - i0) * (est - base - b * (i0 - 1.0 / alpha))
+    speed.decode_step_s = est
+    speed.decode_measured = True

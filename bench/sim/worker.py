@@ -31,7 +31,7 @@ from worker.stats import ATTENTION_KNEE_TOKENS, engine_speed_meter
 from worker.simulator.latency import LatencyModel, StepShape
 from worker.simulator.runner import nominal_speed
 
-from bench.sim.decode_run import decode_run_time, decode_steps_done_by
+from bench.sim.decode_run import decode_run_time, decode_steps_done_by, observe_decode_run
 
 
 def cdiv(a: int, b: int) -> int:
@@ -158,9 +158,8 @@ class SimWorker:
         if self._run is not None:
             c0, c1, m0, m1, k = self._run
             b = len(self._batch)
-            observe, oh = self.speed.observe, self._oh
-            for i in range(k):  # the engine measures every step; so does the simulated one
-                observe(oh + max(c0 + c1 * i, m0 + m1 * i), 0, b)
+            # The engine measures every step; the run's k steps are folded in at once.
+            observe_decode_run(self.speed, self._oh, c0, c1, m0, m1, k, b)
             done = []
             for req in self._batch:
                 req.num_output += k

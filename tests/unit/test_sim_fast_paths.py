@@ -1,6 +1,7 @@
 """The fleet simulator's fast paths give the reference's results: the aggregate worker exactly (same
-floats, same KV events, same routing), on small cases built to exercise preemption, chunked
-prefill, prefix hits and closed-form decode runs."""
+floats, same KV events, same routing) on small cases built to exercise preemption, chunked
+prefill, prefix hits and closed-form decode runs; a decode run's speed update equals observing
+its steps one by one (up to float rounding)."""
 from __future__ import annotations
 
 import random
@@ -8,11 +9,13 @@ import random
 import pytest
 
 from bench.sim.aggregate import AggregateWorker, make_worker
+from bench.sim.decode_run import observe_decode_run
 from bench.sim.fleet import FleetConfig, simulate
 from bench.sim.worker import SimRequest, SimWorker
 from bench.workloads import load_workload
 from worker.simulator.latency import LatencyModel
 from worker.simulator.profiles import get_gpu, get_model
+from worker.stats import SpeedMeter, engine_speed_meter
 
 MOONCAKE = "/work/shared/traces/mooncake_synthetic_trace.jsonl"
 
@@ -108,3 +111,39 @@ def test_a_request_left_with_one_prompt_token_is_still_prefilling_not_decoding(c
         t = w.on_event(t)
     assert a.finished_at == ends[1]
     assert b.first_token_at == ends[2] and b.num_output == 10 and b.prefill_left == 0
+
+
+def _stepped_meter(est: float, measured: bool, steps: list[float], batch: int) -> SpeedMeter:
+    meter = engine_speed_meter(40000.0, est, 8192)
+    meter.decode_measured = measured
+    for t in steps:
+        meter.observe(t, 0, batch)
+    return meter
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_decode_runs_speed_update_equals_observing_its_steps_one_by_one(seed):
+    rng = random.Random(seed)
+    for _ in range(500):
+        oh, k, batch = 0.001, rng.randint(1, 300), rng.randint(1, 256)
+        c0, m0 = rng.uniform(1e-4, 0.02), rng.uniform(1e-4, 0.02)
+        c1, m1 = rng.choice([0.0, rng.uniform(0, 2e-5)]), rng.choice([0.0, rng.uniform(0, 2e-5)])
+        est, measured = rng.uniform(0.002, 0.03), rng.random() < 0.8
+        stepped = _stepped_meter(est, measured, [oh + max(c0 + c1 * i, m0 + m1 * i) for i in range(k)], batch)
+        folded = engine_speed_meter(40000.0, est, 8192)
+        folded.decode_measured = measured
+        observe_decode_run(folded, oh, c0, c1, m0, m1, k, batch)
+        assert folded.decode_measured
+        assert folded.decode_step_s == pytest.approx(stepped.decode_step_s, rel=1e-13, abs=0)
+        assert folded.prefill_tokens_per_s == stepped.prefill_tokens_per_s
+
+
+def test_a_decode_run_far_from_the_estimate_is_folded_step_by_step_with_the_meters_clipping():
+    # Three 0.5 s steps against an estimate of 10 ms: the first two samples are clipped to 10x
+    # the estimate (0.1, then 0.28), the third is not: 0.01 -> 0.028 -> 0.0784 -> 0.16272.
+    stepped = _stepped_meter(0.01, True, [0.5, 0.5, 0.5], 4)
+    folded = engine_speed_meter(40000.0, 0.01, 8192)
+    folded.decode_measured = True
+    observe_decode_run(folded, 0.25, 0.25, 0.0, 0.0, 0.0, 3, 4)
+    assert folded.decode_step_s == stepped.decode_step_s  # the same calls, bit for bit
+    assert folded.decode_step_s == pytest.approx(0.16272, rel=1e-12)
