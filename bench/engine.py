@@ -17,7 +17,9 @@
    longest prompt, decoding until the longest output) and at batch 1 (``--hf-batch1-requests``
    of them one at a time, scaled to 16). Throughput counts only the tokens each request asked
    for. Reported: output tokens/s (medians), ratios (median over rounds of each round's pair),
-   and how many greedy outputs are token-for-token identical to transformers' batch 16.
+   and how many greedy outputs are token-for-token identical to transformers' batch 16. Each
+   run is timed in wall time and in process CPU time; with ``--threads 1`` on a shared machine
+   the CPU-time figures are the steadier ones (a process waiting for a core does not count).
    Target: >= 2x transformers at batch 16.
 3. Rounds of 32 distinct prompts (different first block, so nothing is ever hit) of 256 tokens
    plus 8 output tokens, through two engines that differ only in ``enable_prefix_caching``,
@@ -118,16 +120,16 @@ def bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
     }
 
     @torch.inference_mode()
-    def run_hf(prompts: list[list[int]], max_new: int) -> tuple[float, list[list[int]]]:
+    def run_hf(prompts: list[list[int]], max_new: int) -> tuple[tuple[float, float], list[list[int]]]:
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=args.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=args.device)
         _sync(args.device)
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         gen = hf.generate(ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
                           do_sample=False, pad_token_id=0)
         _sync(args.device)
-        return time.perf_counter() - t, gen[:, width:].tolist()
+        return (time.perf_counter() - t, time.process_time() - c), gen[:, width:].tolist()
 
     engine.generate([[bos, 1, 2, 3]], _greedy(4))
     run_hf([[bos, 1, 2, 3]], 4)
@@ -136,7 +138,10 @@ def bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
         prompts = [[bos] + _random_bytes(rng, n - 1) for n, _ in shape]
         outs_n = [m for _, m in shape]
         useful = sum(outs_n)
-        eng_t, hf16_t, hf1_t = [], [], []
+        # Per round: (wall s, CPU s) of the engine, transformers b16, transformers b1 (scaled to 16).
+        eng_t: list[tuple[float, float]] = []
+        hf16_t: list[tuple[float, float]] = []
+        hf1_t: list[tuple[float, float]] = []
         same = 0
         if args.device.startswith("cuda"):
             # Untimed: Triton compiles its kernels for this workload's shapes on first use.
@@ -145,28 +150,31 @@ def bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
         for r in range(args.rounds):
             engine.reset_prefix_cache()
             _sync(args.device)
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             outs = engine.generate(prompts, [_greedy(m) for m in outs_n])
             _sync(args.device)
-            eng_t.append(time.perf_counter() - t)
-            dt, hf_out = run_hf(prompts, max(outs_n))
-            hf16_t.append(dt)
+            eng_t.append((time.perf_counter() - t, time.process_time() - c))
+            times, hf_out = run_hf(prompts, max(outs_n))
+            hf16_t.append(times)
             same = sum(o.token_ids == h[:m] for o, h, m in zip(outs, hf_out, outs_n))
             k = args.hf_batch1_requests
-            hf1_t.append(sum(run_hf([prompts[i]], outs_n[i])[0] for i in range(k)) * n_req / k)
-            print(f"  {name} round {r}: engine {useful / eng_t[-1]:.1f} tok/s, transformers b16 "
-                  f"{useful / hf16_t[-1]:.1f}, b1 {useful / hf1_t[-1]:.1f}", flush=True)
-        eng = useful / statistics.median(eng_t)
-        hf16 = useful / statistics.median(hf16_t)
-        hf1 = useful / statistics.median(hf1_t)
-        # Paired: each round's engine run against the transformers runs right after it.
-        vs16 = statistics.median(h / e for h, e in zip(hf16_t, eng_t))
-        vs1 = statistics.median(h / e for h, e in zip(hf1_t, eng_t))
-        results[name] = {
-            "prompt_tokens": [n for n, _ in shape], "output_tokens": outs_n,
-            "engine_tok_s": eng, "transformers_b16_tok_s": hf16, "transformers_b1_tok_s": hf1,
-            "ratio_vs_b16": vs16, "ratio_vs_b1": vs1,
-            "identical_greedy_outputs_vs_b16": same, "met": vs16 >= 2.0}
+            b1 = [run_hf([prompts[i]], outs_n[i])[0] for i in range(k)]
+            hf1_t.append((sum(w for w, _ in b1) * n_req / k, sum(c for _, c in b1) * n_req / k))
+            print(f"  {name} round {r}: engine {useful / eng_t[-1][0]:.1f} tok/s "
+                  f"({useful / eng_t[-1][1]:.1f} per CPU s), transformers b16 {useful / hf16_t[-1][0]:.1f} "
+                  f"({useful / hf16_t[-1][1]:.1f}), b1 {useful / hf1_t[-1][0]:.1f} ({useful / hf1_t[-1][1]:.1f})",
+                  flush=True)
+        res: dict[str, Any] = {"prompt_tokens": [n for n, _ in shape], "output_tokens": outs_n,
+                               "identical_greedy_outputs_vs_b16": same}
+        for j, suffix in ((0, ""), (1, "_cpu")):  # wall time, then process CPU time
+            res["engine_tok_s" + suffix] = useful / statistics.median(e[j] for e in eng_t)
+            res["transformers_b16_tok_s" + suffix] = useful / statistics.median(h[j] for h in hf16_t)
+            res["transformers_b1_tok_s" + suffix] = useful / statistics.median(h[j] for h in hf1_t)
+            # Paired: each round's engine run against the transformers runs right after it.
+            res["ratio_vs_b16" + suffix] = statistics.median(h[j] / e[j] for h, e in zip(hf16_t, eng_t))
+            res["ratio_vs_b1" + suffix] = statistics.median(h[j] / e[j] for h, e in zip(hf1_t, eng_t))
+        res["met"] = res["ratio_vs_b16"] >= 2.0
+        results[name] = res
     return results
 
 
