@@ -19,9 +19,10 @@ from worker.simulator.runner import nominal_speed
 
 from bench.records import RequestRecord
 from bench.sim.aggregate import make_worker
+from bench.sim.prompt_hashes import UnitHasher
 from bench.sim.router import NoCapacity, SimRouter, SimRouterConfig
 from bench.sim.worker import SimRequest, SimWorker
-from bench.workloads import Workload, unit_hashes
+from bench.workloads import Workload
 
 
 @dataclass(slots=True)
@@ -128,10 +129,11 @@ def simulate(workload: Workload, cfg: FleetConfig) -> SimResult:
                 seq += 1
                 heapq.heappush(heap, (nxt, seq, wi, w.version))
 
+    hasher = UnitHasher(cfg.unit)  # = bench.workloads.unit_hashes, memoised
     for spec in workload.requests:
         now = spec.arrival_s / cfg.speedup
         run_until(now)
-        req = SimRequest(spec.index, now, unit_hashes(spec.segments, cfg.unit),
+        req = SimRequest(spec.index, now, hasher(spec.segments),
                          spec.prompt_tokens + cfg.bos_tokens, spec.max_tokens, spec.session)
         requests.append(req)
         if req.num_prompt + 1 > max_len:  # the worker answers 400, as vLLM does

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 from collections import deque
 
-from worker.kv_cache import BlockPool, BlockRemoved, BlockStored
+from worker.kv_cache import BlockRemoved, BlockStored
 from worker.stats import ATTENTION_KNEE_TOKENS, engine_speed_meter
 from worker.simulator.latency import LatencyModel, StepShape
 from worker.simulator.runner import nominal_speed
 
 from bench.sim.decode_run import decode_run_time, decode_steps_done_by, observe_decode_run
+from bench.sim.lazy_pool import LazyBlockPool
 
 
 def cdiv(a: int, b: int) -> int:
@@ -91,7 +92,7 @@ class SimWorker:
         self.unit = unit
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = LazyBlockPool(num_blocks, enable_caching)  # the engine's BlockPool, blocks made on first use
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.version = 0

@@ -1,7 +1,8 @@
 """The fleet simulator's fast paths give the reference's results: the aggregate worker exactly (same
 floats, same KV events, same routing) on small cases built to exercise preemption, chunked
 prefill, prefix hits and closed-form decode runs; a decode run's speed update equals observing
-its steps one by one (up to float rounding)."""
+its steps one by one (up to float rounding); the lazy block pool and the memoised unit hashes
+equal the engine's pool and the workloads' hashes."""
 from __future__ import annotations
 
 import random
@@ -10,9 +11,12 @@ import pytest
 
 from bench.sim.aggregate import AggregateWorker, make_worker
 from bench.sim.decode_run import observe_decode_run
+from bench.sim.lazy_pool import LazyBlockPool
+from bench.sim.prompt_hashes import UnitHasher
 from bench.sim.fleet import FleetConfig, simulate
 from bench.sim.worker import SimRequest, SimWorker
-from bench.workloads import load_workload
+from bench.workloads import load_workload, unit_hashes
+from worker.kv_cache import BlockPool
 from worker.simulator.latency import LatencyModel
 from worker.simulator.profiles import get_gpu, get_model
 from worker.stats import SpeedMeter, engine_speed_meter
@@ -147,3 +151,67 @@ def test_a_decode_run_far_from_the_estimate_is_folded_step_by_step_with_the_mete
     observe_decode_run(folded, 0.25, 0.25, 0.0, 0.0, 0.0, 3, 4)
     assert folded.decode_step_s == stepped.decode_step_s  # the same calls, bit for bit
     assert folded.decode_step_s == pytest.approx(0.16272, rel=1e-12)
+
+
+def _drive_pool(pool, ops: list[tuple[float, float, int, int]]) -> list[tuple]:
+    """Random allocate / free / cache / hit operations; what the pool exposes after each."""
+    held: list[list] = []
+    log: list[tuple] = []
+    for op, x, m, key in ops:
+        if op < 0.4 and m <= pool.get_num_free_blocks():
+            blocks = pool.get_new_blocks(m)
+            held.append(blocks)
+            log.append(("get", [b.block_id for b in blocks]))
+        elif op < 0.6 and held:
+            pool.free_blocks(reversed(held.pop(int(x * len(held)))))
+        elif op < 0.8 and held:
+            blocks = held[int(x * len(held))]
+            pool.cache_blocks(blocks, [key * 100 + j for j in range(len(blocks))])
+        elif (hit := pool.get_cached_block(key * 100)) is not None:
+            pool.touch([hit])
+            held.append([hit])
+            log.append(("hit", hit.block_id))
+        log.append((pool.get_num_free_blocks(), pool.free_block_queue.block_ids(),
+                    [(type(e).__name__, getattr(e, "block_hashes", None)) for e in pool.take_events()]))
+    return log
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_lazy_block_pool_hands_out_the_same_blocks_in_the_same_order_as_the_engines(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 40)
+    ops = [(rng.random(), rng.random(), rng.randint(1, 5), rng.randint(0, 30)) for _ in range(300)]
+    lazy = LazyBlockPool(n)
+    assert _drive_pool(lazy, ops) == _drive_pool(BlockPool(n), ops)
+    lazy.check_invariants()
+    assert [b.block_id for b in lazy.blocks] == list(range(n))
+
+
+def test_a_lazy_block_pool_makes_only_the_blocks_it_hands_out():
+    pool = LazyBlockPool(1000)
+    assert pool.get_num_free_blocks() == 1000 and pool.blocks == []
+    first = pool.get_new_blocks(3)
+    pool.free_blocks(reversed(first))  # plain blocks go back to the head, tail first
+    assert [b.block_id for b in pool.get_new_blocks(4)] == [0, 1, 2, 3]
+    assert len(pool.blocks) == 4 and pool.get_num_free_blocks() == 996
+
+
+@pytest.mark.parametrize("workload, unit", [
+    ("system-prompt", 512), ("system-prompt", 64), ("doc-qa", 64), ("multi-turn", 64),
+    (f"mooncake:{MOONCAKE}", 512), (f"mooncake:{MOONCAKE}", 384)])
+def test_the_memoised_unit_hashes_equal_the_workloads_own(workload, unit):
+    hasher = UnitHasher(unit)
+    specs = load_workload(workload, seed=3, num_requests=300).requests
+    assert [hasher(s.segments) for s in specs] == [unit_hashes(s.segments, unit) for s in specs]
+    entries = len(hasher._chains)
+    assert [hasher(s.segments) for s in specs] == [unit_hashes(s.segments, unit) for s in specs]
+    assert len(hasher._chains) == entries > 0  # the second pass is all lookups
+
+
+def test_the_memoised_unit_hashes_cover_units_that_straddle_segments():
+    hasher = UnitHasher(100, max_entries=3)
+    rng = random.Random(7)
+    for _ in range(500):
+        segments = tuple((rng.randint(1, 6), rng.randint(1, 350)) for _ in range(rng.randint(0, 6)))
+        assert hasher(segments) == unit_hashes(segments, 100)
+    assert len(hasher._chains) <= 3
