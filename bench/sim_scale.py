@@ -5,20 +5,77 @@
 The workload is ``system-prompt`` with 5 tenants per worker (2,048-token system prompts,
 Zipf popularity) arriving at 3 requests/s per worker, so the fleet is loaded like a production
 one (busy ~40%, most requests hitting their tenant's prompt). Workload generation and the
-simulation are timed separately; ``--profile`` prints the top functions (cProfile, ~2× slower).
+simulation are timed separately, in wall and CPU seconds (the machine is shared: CPU time is the
+stable measure). ``--profile`` prints the top functions (cProfile, ~2× slower); ``--breakdown``
+prints the CPU time of the router's and the replicas' entry points (a timer around each call,
+~0.5 µs per call added).
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
+import contextlib
+import importlib
 import io
 import pstats
 import time
+from typing import Iterator
 
 from bench.sim.fleet import FleetConfig, simulate
 from bench.sim.router import SimRouterConfig
 from bench.stats import summarize
 from bench.workloads import load_workload
+
+
+# (label, module, attribute path): what --breakdown times, nested calls indented under their callers.
+BREAKDOWN = (
+    ("router: Balancer.decide", "router.balancer", "Balancer.decide"),
+    ("  index.match_top", "router.index", "PrefixIndex.match_top"),
+    ("  candidate set (ids + per-candidate load)", "router.balancer", "Balancer._candidate_set"),
+    ("    candidate ids (ring successors, least loaded)", "router.balancer", "Balancer.candidate_ids"),
+    ("      ring.successors", "router.ring", "WorkerRing.successors"),
+    ("      board.least_loaded", "router.load", "LoadBoard.least_loaded"),
+    ("  policy (choose)", "router.balancer", "choose"),
+    ("router: Balancer.dispatch", "router.balancer", "Balancer.dispatch"),
+    ("router: Balancer.first_byte", "router.balancer", "Balancer.first_byte"),
+    ("router: Balancer.finish", "router.balancer", "Balancer.finish"),
+    ("router: Balancer.apply_kv_event", "router.balancer", "Balancer.apply_kv_event"),
+    ("router: Balancer.apply_report", "router.balancer", "Balancer.apply_report"),
+    ("sim: SimRouter.prompt_key", "bench.sim.router", "SimRouter.prompt_key"),
+    ("sim: replica add", "bench.sim.worker", "SimWorker.add"),
+    ("sim: replica on_event (step / decode run)", "bench.sim.aggregate", "AggregateWorker.on_event"),
+    ("sim: unit hashes", "bench.sim.prompt_hashes", "UnitHasher.__call__"),
+)
+
+
+@contextlib.contextmanager
+def cpu_breakdown(targets=BREAKDOWN) -> Iterator[dict[str, list[float]]]:
+    """Wrap each target with a CPU-time accumulator; yields ``{label: [seconds, calls]}``."""
+    acc: dict[str, list[float]] = {}
+    restore = []
+    clock = time.process_time
+    for label, module, path in targets:
+        owner = importlib.import_module(module)
+        *parents, name = path.split(".")
+        for part in parents:
+            owner = getattr(owner, part)
+        original = owner.__dict__[name]
+        slot = acc.setdefault(label, [0.0, 0])
+
+        def timed(*args, _f=original, _slot=slot, **kwargs):
+            t = clock()
+            try:
+                return _f(*args, **kwargs)
+            finally:
+                _slot[0] += clock() - t
+                _slot[1] += 1
+        setattr(owner, name, timed)
+        restore.append((owner, name, original))
+    try:
+        yield acc
+    finally:
+        for owner, name, original in reversed(restore):
+            setattr(owner, name, original)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reference", action="store_true",
                    help="step with the reference worker (every running request every step), not the aggregate one")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--breakdown", action="store_true", help="CPU time per router / replica entry point")
     args = p.parse_args(argv)
     w = args.workers
     t0 = time.perf_counter()
@@ -43,9 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     prof = cProfile.Profile() if args.profile else None
     if prof:
         prof.enable()
-    cpu = time.process_time()
-    result = simulate(workload, cfg)
-    cpu = time.process_time() - cpu
+    with cpu_breakdown() if args.breakdown else contextlib.nullcontext({}) as breakdown:
+        cpu = time.process_time()
+        result = simulate(workload, cfg)
+        cpu = time.process_time() - cpu
     if prof:
         prof.disable()
     t2 = time.perf_counter()
@@ -56,6 +115,11 @@ def main(argv: list[str] | None = None) -> int:
           f"({(t2 - t1) / args.requests * 1e6:.0f} us/request wall); virtual span "
           f"{workload.requests[-1].arrival_s:.0f} s; busy {result.meta['mean_utilisation']:.0%}; "
           f"hit rate {s['hit_rate']:.3f}; TTFT p50 {s['ttft_ms']['p50']:.0f} ms p99 {s['ttft_ms']['p99']:.0f} ms")
+    if breakdown:
+        print(f"{'CPU time by entry point':52s} {'calls':>9s} {'s':>7s} {'share':>6s} {'us/call':>8s}")
+        for label, (seconds, calls) in breakdown.items():
+            if calls:
+                print(f"{label:52s} {calls:9d} {seconds:7.2f} {seconds / cpu:6.1%} {seconds / calls * 1e6:8.1f}")
     if prof:
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(12)
