@@ -24,11 +24,6 @@ import math
 from worker.stats import SpeedMeter
 
 
-def _affine_sum(a: float, b: float, i0: int, i1: int) -> float:
-    """Sum of ``a + b·i`` for ``i0 <= i < i1``."""
-    return (i1 - i0) * a + b * (i0 + i1 - 1) * (i1 - i0) / 2.0 if i1 > i0 else 0.0
-
-
 def _pieces(c0: float, c1: float, m0: float, m1: float, k: int) -> tuple[tuple[float, float, int, int], ...]:
     """``(a, b, i0, i1)``: on ``i0 <= i < i1`` step ``i``'s roofline term ``max(..)`` is ``a + b·i``."""
     d0, d1 = c0 - m0, c1 - m1  # step i is compute-bound exactly when d0 + d1·i >= 0
@@ -43,15 +38,36 @@ def _pieces(c0: float, c1: float, m0: float, m1: float, k: int) -> tuple[tuple[f
 
 def decode_run_time(overhead: float, c0: float, c1: float, m0: float, m1: float, k: int) -> float:
     """Seconds of ``k`` steps whose step ``i`` takes ``overhead + max(c0 + c1·i, m0 + m1·i)``."""
+    # :func:`_pieces` written out (this runs several times per simulated request); each piece is
+    # the arithmetic series sum over its i0 <= i < i1 of a + b·i.
     total = overhead * k
-    for a, b, i0, i1 in _pieces(c0, c1, m0, m1, k):
-        total += _affine_sum(a, b, i0, i1)
-    return total
+    d0, d1 = c0 - m0, c1 - m1
+    if d1 == 0.0:
+        a, b = (c0, c1) if d0 >= 0 else (m0, m1)
+        return total + (k * a + b * (k - 1) * k / 2.0 if k > 0 else 0.0)
+    if d1 > 0:
+        cross = min(k, max(0, math.ceil(-d0 / d1)))
+        a0, b0, a1, b1 = m0, m1, c0, c1
+    else:
+        cross = min(k, max(0, math.floor(d0 / -d1) + 1)) if d0 >= 0 else 0
+        a0, b0, a1, b1 = c0, c1, m0, m1
+    first = cross * a0 + b0 * (cross - 1) * cross / 2.0 if cross > 0 else 0.0
+    second = (k - cross) * a1 + b1 * (cross + k - 1) * (k - cross) / 2.0 if k > cross else 0.0
+    return total + first + second
 
 
 def decode_steps_done_by(elapsed: float, overhead: float, c0: float, c1: float, m0: float, m1: float,
                          k: int) -> int:
     """How many of the ``k`` steps have ended ``elapsed`` seconds after the run started."""
+    # Steps never get shorter (c1, m1 >= 0), so at most elapsed / (first step) of them fit: start
+    # from that bound, which the run's slow growth makes nearly exact, and step down.
+    first = overhead + max(c0, m0)
+    if c1 >= 0 and m1 >= 0 and first > 0:
+        guess = min(k, int(elapsed / first) + 1)
+        for _ in range(3):
+            if guess <= 0 or decode_run_time(overhead, c0, c1, m0, m1, guess) <= elapsed:
+                return max(guess, 0)
+            guess -= 1
     lo, hi = 0, k
     while lo < hi:
         mid = (lo + hi + 1) // 2

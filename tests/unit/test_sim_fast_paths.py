@@ -10,7 +10,7 @@ import random
 import pytest
 
 from bench.sim.aggregate import AggregateWorker, make_worker
-from bench.sim.decode_run import observe_decode_run
+from bench.sim.decode_run import decode_run_time, decode_steps_done_by, observe_decode_run
 from bench.sim.lazy_pool import LazyBlockPool
 from bench.sim.prompt_hashes import UnitHasher
 from bench.sim.fleet import FleetConfig, simulate
@@ -215,3 +215,15 @@ def test_the_memoised_unit_hashes_cover_units_that_straddle_segments():
         segments = tuple((rng.randint(1, 6), rng.randint(1, 350)) for _ in range(rng.randint(0, 6)))
         assert hasher(segments) == unit_hashes(segments, 100)
     assert len(hasher._chains) <= 3
+
+
+def test_steps_done_by_is_the_largest_step_count_whose_run_time_has_elapsed():
+    rng = random.Random(11)
+    for _ in range(2000):
+        oh, k = 0.001, rng.randint(0, 300)
+        c0, m0 = rng.uniform(0, 0.02), rng.uniform(0, 0.02)
+        c1, m1 = rng.choice([0.0, rng.uniform(0, 1e-4)]), rng.choice([0.0, rng.uniform(0, 1e-4)])
+        times = [decode_run_time(oh, c0, c1, m0, m1, m) for m in range(k + 1)]
+        for elapsed in (0.0, rng.uniform(0, times[-1] * 1.2), times[rng.randint(0, k)]):
+            expected = max(m for m in range(k + 1) if m == 0 or times[m] <= elapsed)
+            assert decode_steps_done_by(elapsed, oh, c0, c1, m0, m1, k) == expected
