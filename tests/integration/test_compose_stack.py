@@ -4,7 +4,8 @@ There is no Docker engine here, so the containers cannot run; what can run is ex
 would: each service's command from the compose file (as Docker Compose resolves it), started as
 ``prefixlb <component> <command>``, with only the addresses rewritten to loopback — the compose
 service names become 127.0.0.1 ports, the compose Redis becomes the test Redis under a private
-key prefix. The official ``openai`` client then calls both routers.
+key prefix. The official ``openai`` client then calls both routers. The stack runs with the API
+keys an operator sets in the environment (clients -> routers, routers -> workers).
 """
 from __future__ import annotations
 
@@ -20,10 +21,14 @@ from tests.deploy_support import COMPOSE_FILE, compose_binary
 from tests.support import ROOT, free_port, processes, spawn, wait_for
 
 
+CLIENT_KEY, WORKER_KEY = "compose-client-key", "compose-worker-key"
+
+
 def _resolved_services() -> dict[str, dict]:
     proc = subprocess.run([str(compose_binary()), "-f", str(COMPOSE_FILE), "config", "--format", "json"],
                           cwd=ROOT, capture_output=True, text=True, timeout=60,
-                          env={"PATH": "/usr/bin:/bin", "PREFIXLB_ADMIN_TOKEN": "compose-token"})
+                          env={"PATH": "/usr/bin:/bin", "PREFIXLB_ADMIN_TOKEN": "compose-token",
+                               "PREFIXLB_API_KEYS": CLIENT_KEY, "PREFIXLB_WORKER_API_KEY": WORKER_KEY})
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)["services"]
 
@@ -38,6 +43,8 @@ def _local_args(command: list[str], ports: dict[str, int], redis_url: str) -> li
     for i, arg in enumerate(out[:-1]):
         if arg == "--host":
             out[i + 1] = "127.0.0.1"  # tests listen on loopback only
+        if arg == "--worker-allow" and out[i + 1] == "worker-*:8000":
+            out[i + 1] = "127.0.0.1"  # the compose workers' names are loopback ports here
     return out
 
 
@@ -74,7 +81,8 @@ def stack(tmp_path_factory, redis_server_url):
 
             state = wait_for(settled, 120, interval=0.25, what="both routers routing to both workers")
             assert state == "ready", state + "\n" + "\n".join(p.output()[-2000:] for p in procs if not p.alive())
-            yield {name: p.url for name, p in routers.items()}
+            yield {"routers": {name: p.url for name, p in routers.items()},
+                   "workers": {p.log.stem: p.url for p in procs if p.log.stem.startswith("worker")}}
     finally:
         client = redis.Redis.from_url(redis_server_url)
         keys = list(client.scan_iter(match=prefix + "*", count=1000))
@@ -86,11 +94,12 @@ def stack(tmp_path_factory, redis_server_url):
 def test_both_routers_answer_with_the_openai_client_and_share_where_a_prefix_lives(stack):
     from openai import OpenAI
 
-    assert sorted(stack) == ["router-1", "router-2"]
+    routers = stack["routers"]
+    assert sorted(routers) == ["router-1", "router-2"]
     prompt = "You are the compose stack's assistant. " * 12 + "Question: what is a KV cache?"
     seen = []
     for name in ("router-1", "router-2", "router-1"):
-        client = OpenAI(base_url=stack[name] + "/v1", api_key="unused", max_retries=0, timeout=60)
+        client = OpenAI(base_url=routers[name] + "/v1", api_key=CLIENT_KEY, max_retries=0, timeout=60)
         raw = client.completions.with_raw_response.create(model="tiny", prompt=prompt, max_tokens=4)
         completion = raw.parse()
         assert completion.choices[0].text is not None
@@ -98,3 +107,18 @@ def test_both_routers_answer_with_the_openai_client_and_share_where_a_prefix_liv
     workers = {w for w, _ in seen}
     assert len(workers) == 1, f"the same prefix went to different workers: {seen}"
     assert seen[0][1] == 0 and seen[1][1] > 0 and seen[2][1] > 0, seen
+
+
+def test_routers_refuse_clients_without_the_api_key_and_workers_refuse_anyone_but_the_routers(stack):
+    import openai
+    from openai import OpenAI
+
+    for base in (*stack["routers"].values(), *stack["workers"].values()):
+        client = OpenAI(base_url=base + "/v1", api_key="wrong-key", max_retries=0, timeout=30)
+        with pytest.raises(openai.AuthenticationError):
+            client.completions.create(model="tiny", prompt="hello", max_tokens=1)
+    # The routers' own key is the workers' key: a client's key does not open a worker.
+    worker = OpenAI(base_url=next(iter(stack["workers"].values())) + "/v1", api_key=CLIENT_KEY,
+                    max_retries=0, timeout=30)
+    with pytest.raises(openai.AuthenticationError):
+        worker.completions.create(model="tiny", prompt="hello", max_tokens=1)

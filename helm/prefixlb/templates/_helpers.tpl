@@ -88,6 +88,23 @@ Empty when neither (no Redis: each router keeps its state in memory).
 {{- default (printf "%s-admin-token" (include "prefixlb.fullname" .)) .Values.router.adminToken.existingSecret -}}
 {{- end -}}
 
+{{/* The Secret the chart renders for API keys (secret-api-keys.yaml) when it holds any. */}}
+{{- define "prefixlb.apiKeysSecretName" -}}
+{{- printf "%s-api-keys" (include "prefixlb.fullname" .) -}}
+{{- end -}}
+
+{{/* Name of the Secret holding the clients' API keys; empty when the routers are open. */}}
+{{- define "prefixlb.routerApiKeysSecretName" -}}
+{{- $k := .Values.router.apiKeys -}}
+{{- if $k.existingSecret -}}{{ $k.existingSecret }}{{- else if $k.keys -}}{{ include "prefixlb.apiKeysSecretName" . }}{{- end -}}
+{{- end -}}
+
+{{/* Name of the Secret holding the router-to-worker key; empty when worker.apiKey is off. */}}
+{{- define "prefixlb.workerApiKeySecretName" -}}
+{{- $k := .Values.worker.apiKey -}}
+{{- if $k.enabled -}}{{ default (include "prefixlb.apiKeysSecretName" .) $k.existingSecret }}{{- end -}}
+{{- end -}}
+
 {{/* The restricted container securityContext shared by every prefixlb container. */}}
 {{- define "prefixlb.containerSecurityContext" -}}
 allowPrivilegeEscalation: false
