@@ -140,6 +140,34 @@ def promql_metric_names(expr: str) -> set[str]:
     return names
 
 
+_SELECTOR = re.compile(r"([A-Za-z_:][A-Za-z0-9_:]*)\s*\{([^{}]*)\}")
+_MATCHER = re.compile(r'\s*([A-Za-z_][A-Za-z0-9_]*)\s*(=~|!~|!=|=)\s*"((?:\\.|[^"\\])*)"\s*,?')
+
+
+def promql_matchers(expr: str) -> list[tuple[str, str, str, str]]:
+    """(metric, label, operator, value) for every label matcher of a selector in ``expr``."""
+    out = []
+    for m in _SELECTOR.finditer(expr):
+        for label, op, value in _MATCHER.findall(m.group(2)):
+            out.append((m.group(1), label, op, value))
+    return out
+
+
+def doc_metric_names(markdown: str) -> set[str]:
+    """The metric names (``prefixlb_...``) a document mentions; ``prefixlb_router_`` alone is a prefix."""
+    return {n for n in re.findall(r"\bprefixlb_[a-z0-9_]+", markdown) if not n.endswith("_")}
+
+
+def markdown_section(markdown: str, heading: str) -> str:
+    """The text under the heading line ``heading`` up to the next heading of the same or a higher level."""
+    lines = markdown.splitlines()
+    start = lines.index(heading)
+    level = len(heading) - len(heading.lstrip("#"))
+    end = next((i for i in range(start + 1, len(lines))
+                if re.match(r"#{1,%d}\s" % level, lines[i])), len(lines))
+    return "\n".join(lines[start:end])
+
+
 def dashboard_exprs() -> list[tuple[str, str]]:
     """(panel title, PromQL) for every query of the Grafana dashboard."""
     dashboard = json.loads(DASHBOARD_FILE.read_text())
@@ -150,6 +178,19 @@ def alert_exprs() -> list[tuple[str, str]]:
     """(alert name, PromQL) for every alert rule."""
     rules = yaml.safe_load(ALERTS_FILE.read_text())
     return [(r["alert"], r["expr"]) for g in rules["groups"] for r in g["rules"]]
+
+
+def exposed_label_values(exposition: str) -> dict[str, dict[str, set[str]]]:
+    """{series name: {label: values seen}} over the samples of a /metrics page."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, dict[str, set[str]]] = {}
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            labels = out.setdefault(sample.name, {})
+            for label, value in sample.labels.items():
+                labels.setdefault(label, set()).add(value)
+    return out
 
 
 def exposed_metric_names(exposition: str) -> set[str]:

@@ -9,8 +9,16 @@ import re
 
 import yaml
 
-from tests.deploy_support import ALERTS_FILE, DASHBOARD_FILE, alert_exprs, dashboard_exprs, promql_metric_names
+from tests.deploy_support import (
+    ALERTS_FILE, DASHBOARD_FILE, alert_exprs, dashboard_exprs, markdown_section, promql_matchers,
+    promql_metric_names,
+)
 from tests.support import ROOT
+
+
+def _panel(title: str) -> dict:
+    [panel] = [p for p in json.loads(DASHBOARD_FILE.read_text())["panels"] if p["title"] == title]
+    return panel
 
 
 def test_promql_metric_names_are_the_selected_series_not_functions_labels_or_durations():
@@ -67,11 +75,38 @@ def test_dashboard_shows_hit_rate_predictions_ttft_load_decisions_health_and_red
         "decisions by reason": {"prefixlb_router_requests_total"},
         "breaker / health": {"prefixlb_router_worker_healthy", "prefixlb_router_workers"},
         "Redis and event lag": {"prefixlb_router_redis_up", "prefixlb_router_kv_event_lag_seconds_bucket"},
+        "breaker opens": {"prefixlb_router_breaker_opens_total"},
+        "overload (429s) and the admission queue": {"prefixlb_router_overload_rejections_total",
+                                                    "prefixlb_router_queued_requests",
+                                                    "prefixlb_router_inflight_requests",
+                                                    "prefixlb_router_queue_wait_seconds_bucket"},
+        "Redis resyncs": {"prefixlb_router_redis_resyncs_total"},
+        "pre-warming": {"prefixlb_router_prewarm_requests_total"},
     }
     for what, metrics in required.items():
         assert metrics <= used, f"{what}: {sorted(metrics - used)}"
     reasons = [e for title, e in dashboard_exprs() if title == "Decisions by reason"]
     assert reasons == ["sum by (reason) (rate(prefixlb_router_requests_total[$__rate_interval]))"]
+
+
+def test_workers_by_state_panel_names_every_state_the_router_has():
+    from router.registry import STATES
+
+    panel = _panel("Workers by state")
+    assert [t["expr"] for t in panel["targets"]] == ["max by (state) (prefixlb_router_workers)"]
+    coloured = {o["matcher"]["options"] for o in panel["fieldConfig"]["overrides"]}
+    assert coloured == set(STATES)  # joining, warming, healthy, recovering, unhealthy, draining, drained
+    for state in STATES:
+        assert state in panel["description"], state
+
+
+def test_workers_out_of_rotation_are_the_states_the_router_does_not_route_to():
+    from router.registry import ROUTABLE
+
+    [expr] = [t["expr"] for t in _panel("Workers out of rotation")["targets"]]
+    [(metric, label, op, value)] = promql_matchers(expr)
+    assert (metric, label, op) == ("prefixlb_router_workers", "state", "!~")
+    assert set(value.split("|")) == set(ROUTABLE)
 
 
 def test_alert_rules_are_complete_and_point_at_the_operations_guide():
@@ -98,3 +133,19 @@ def test_alerts_cover_hit_rate_collapse_worker_down_redis_unreachable_and_imbala
         "prefixlb_router_reported_cached_tokens_total", "prefixlb_router_prompt_tokens_total"}
     assert promql_metric_names(exprs["PrefixlbRedisUnreachable"]) == {"prefixlb_router_redis_up"}
     assert 'job="prefixlb-worker"' in exprs["PrefixlbWorkerDown"]
+
+
+def test_alerts_cover_sustained_overload_queueing_breaker_flapping_and_redis_flapping():
+    exprs = dict(alert_exprs())
+    assert promql_metric_names(exprs["PrefixlbOverloaded"]) == {
+        "prefixlb_router_overload_rejections_total", "prefixlb_router_responses_total"}
+    assert promql_metric_names(exprs["PrefixlbRequestsQueued"]) == {"prefixlb_router_queued_requests"}
+    assert promql_metric_names(exprs["PrefixlbBreakerFlapping"]) == {"prefixlb_router_breaker_opens_total"}
+    assert "by (worker)" in exprs["PrefixlbBreakerFlapping"]  # per worker, not the fleet's sum
+    assert promql_metric_names(exprs["PrefixlbRedisFlapping"]) == {"prefixlb_router_redis_resyncs_total"}
+
+
+def test_every_alert_is_explained_in_the_operations_guides_alert_table():
+    guide = markdown_section((ROOT / "docs/operations.md").read_text(), "## 9. Observability")
+    listed = set(re.findall(r"^\| `(Prefixlb[A-Za-z]+)` \|", guide, flags=re.M))
+    assert listed == {name for name, _ in alert_exprs()}
