@@ -521,6 +521,7 @@ def test_network_policy_admits_only_routers_to_workers(rendered):
     ({"router": {"workerAllow": ["http://10.0.0.5/"]}}, "/router/workerAllow/0"),
     ({"router": {"apiKeys": {"keys": ["a,b"]}}}, "/router/apiKeys/keys/0"),
     ({"worker": {"apiKey": {"enabled": True, "value": "two words"}}}, "/worker/apiKey/value"),
+    ({"worker": {"enabled": False, "apiKey": {"enabled": True}}}, "worker.apiKey: with worker.enabled=false"),
 ])
 def test_invalid_values_fail_the_install_with_a_message_naming_the_value(values, message):
     with pytest.raises(helm.HelmError) as exc:
