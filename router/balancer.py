@@ -175,6 +175,13 @@ class Balancer:
         prompt_tokens = self.estimate_tokens(prompt)
         sequence = next(self._sequence)
         request = RouteRequest(prompt_tokens, affinity, prompt.session_key is not None, sequence)
+        if cfg.policy == "cache_aware":
+            # The fair share of requests in flight: bounded-load consistent hashing's bound, taken
+            # as if every worker held at least one request -- at light load a worker holding
+            # one more request than the others is not overloaded.
+            workers = len(self.ring)
+            request.load_bound = hash_load_bound(max(self.board.total_in_system, workers - 1), workers,
+                                                 cfg.hash_load_factor)
         if cfg.policy == "consistent_hash":
             request.load_bound = hash_load_bound(self.board.total_in_system, len(self.ring),
                                                  cfg.hash_load_factor)
@@ -205,7 +212,7 @@ class Balancer:
         w = self.board.get(worker_id)
         assert w is not None
         return Candidate(worker_id, self.cached_tokens_for(matched, prompt, prompt_tokens, w.block_size),
-                         w.pending_s(now), w.rate(), w.in_system, w.over_limit(), ring_rank, matched)
+                         w.pending_s(now), w.rate(), w.in_system, w.over_limit(), ring_rank, matched, w.service_s)
 
     def _candidate_set(self, prompt: PromptKey, matches: dict[str, int], prompt_tokens: int,
                        now: float, exclude: frozenset[str] | set[str], cfg: PolicyConfig) -> list[Candidate]:
@@ -228,7 +235,7 @@ class Balancer:
             except ValueError:
                 rank = NOT_ON_RING
             out.append(Candidate(worker_id, cached, w.pending_s(now), w.rate(), w.in_system, w.over_limit(), rank,
-                                 matched))
+                                 matched, w.service_s))
         return out
 
     def _ring_walk(self, prompt: PromptKey, matches: dict[str, int], prompt_tokens: int, bound: int,

@@ -14,11 +14,15 @@ so a step that prefills ``B = max_num_batched_tokens`` tokens also pays ``decode
 effective prefill rate is therefore ``1 / (1/prefill_tokens_per_s + decode_step_s / B)`` while
 anything is running, and the plain measured rate on an idle worker.
 
-Waiting for a slot: a worker runs at most ``max_num_seqs`` requests at once, so a request that
-arrives when its batch is full waits for running ones to finish -- about ``service_s /
-max_num_seqs`` per request ahead of it, with ``service_s`` the worker's mean time from dispatch
-to finish (an EMA over what this router saw). This is what makes a hot, fully cached
-prefix spill: its requests add almost no prefill, but they fill the batch.
+Waiting for a slot: a worker runs at most ``slots`` requests at once, so a request that arrives
+when they are taken waits for running ones to finish -- about ``service_s / slots`` per request
+ahead of it, with ``service_s`` the worker's mean time a request holds a slot (from the start of
+its prefill to its finish: an EMA over what this router saw). ``slots`` is the batch limit
+``max_num_seqs``, or fewer when the KV cache is the limit: the requests of the reported running
+batch's mean context that fit the worker's KV capacity. This is what makes a hot, fully cached
+prefix spill (its requests add almost no prefill, but they fill the batch), and what makes a
+decode-heavy worker whose cache is full of long conversations look as busy as it is: its
+queued requests wait for blocks, not for prefill compute.
 
 The hard limit (a safety net, design.md section 4): a worker with ``max_inflight`` requests in
 its system (running + waiting, by its report, plus what we sent since) takes no new work.
@@ -30,6 +34,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 from protocol import LoadReport
@@ -56,6 +61,7 @@ class Ticket:
     prefill_tokens: int
     work_s: float = 0.0  # its prefill time as estimated at dispatch
     eta: float = 0.0  # when its prefill was estimated to be done
+    prefilled_at: float | None = None  # its first byte
     prefilled: bool = False
     finished: bool = False
 
@@ -81,6 +87,11 @@ class WorkerLoad:
     tickets: set[Ticket] = field(default_factory=set)
     in_system: int = 0
     heap_version: int = 0
+    # (time, sent_at, prefill tokens, finished) of recent first bytes and finishes: what a report
+    # stamped before them still counts as queued or running
+    recent: deque[tuple[float, float, int, bool]] = field(default_factory=lambda: deque(maxlen=1024))
+    capacity_tokens: int = 0  # KV capacity, by its report (0: unknown)
+    reported_running_tokens: int = 0
     routable: bool = True
     cap: int = 0  # while > 0, at most this many of this router's requests at once (breaker half-open)
 
@@ -91,11 +102,22 @@ class WorkerLoad:
             base += self.decode_step_s / max(1, self.max_num_batched_tokens)
         return 1.0 / base
 
+    def slots(self) -> float:
+        """Requests it can run at once: ``max_num_seqs``, or what its KV cache holds if fewer."""
+        seqs = self.max_num_seqs
+        running, tokens = self.reported_running, self.reported_running_tokens
+        if self.capacity_tokens > 0 and running > 0 and tokens > 0:
+            kv = running * self.capacity_tokens / tokens
+            if kv < seqs:
+                return kv if kv > 1.0 else 1.0
+        return float(seqs)
+
     def pending_s(self, now: float) -> float:
         """Seconds before a new request's prefill can start: prefill backlog + slot wait."""
         backlog = self.busy_until - now
-        ahead = self.in_system + 1 - self.max_num_seqs
-        wait = ahead * self.service_s / self.max_num_seqs if ahead > 0 else 0.0
+        slots = self.slots()
+        ahead = self.in_system + 1 - slots
+        wait = ahead * self.service_s / slots if ahead > 0 else 0.0
         return (backlog if backlog > 0.0 else 0.0) + wait
 
     def over_limit(self) -> bool:
@@ -206,6 +228,8 @@ class LoadBoard:
             w.max_num_seqs = report.max_num_seqs
             w.max_inflight = self._limit(report.max_num_seqs)
         w.block_size = report.block_size or w.block_size
+        w.capacity_tokens = report.capacity_tokens or w.capacity_tokens
+        w.reported_running_tokens = report.running_tokens
         w.report_at = at
         w.reported_in_system = report.running + report.waiting
         w.reported_running = report.running
@@ -216,10 +240,23 @@ class LoadBoard:
                 sent_since += 1
                 if not t.prefilled:
                     unreported_tokens += t.prefill_tokens
+        # A report arrives late (heartbeat period, Redis polling): what it still counts as
+        # queued or running may have prefilled or finished since its timestamp.
+        done_since = prefilled_since = 0
+        recent = w.recent
+        while recent and recent[0][0] <= at:  # in time order; later reports are never older
+            recent.popleft()
+        for t, sent_at, tokens, finished in recent:
+            if t > at and sent_at <= at:
+                if finished:
+                    done_since += 1
+                else:
+                    prefilled_since += tokens
         w.sent_since_report = sent_since
-        w.finished_since_report = 0
+        w.finished_since_report = done_since
         self._recount(w)
-        w.busy_until = at + (report.queued_prefill_tokens + unreported_tokens) / w.rate()
+        queued = max(0, report.queued_prefill_tokens - prefilled_since)
+        w.busy_until = at + (queued + unreported_tokens) / w.rate()
         self._push(w)
         return True
 
@@ -244,8 +281,10 @@ class LoadBoard:
         if ticket.prefilled or ticket.finished:
             return
         ticket.prefilled = True
+        ticket.prefilled_at = now
         w = self._workers.get(ticket.worker_id)
         if w is not None:
+            w.recent.append((now, ticket.sent_at, ticket.prefill_tokens, False))
             remaining = max(0.0, min(ticket.work_s, ticket.eta - now))
             w.busy_until = max(now, w.busy_until - remaining)
             self._push(w)
@@ -258,10 +297,16 @@ class LoadBoard:
         ticket.finished = True
         w = self._workers.get(ticket.worker_id)
         if w is not None:
-            w.service_s += self.service_alpha * (max(0.0, now - ticket.sent_at) - w.service_s)
+            # The time it held a slot: from the start of its prefill (first byte minus the
+            # prefill's estimated time, or its sending if that was later) to now.
+            start = ticket.sent_at
+            if ticket.prefilled_at is not None:
+                start = max(start, ticket.prefilled_at - ticket.work_s)
+            w.service_s += self.service_alpha * (max(0.0, now - start) - w.service_s)
         if w is not None and ticket in w.tickets:
             w.tickets.discard(ticket)
             w.finished_since_report += 1
+            w.recent.append((now, ticket.sent_at, 0, True))
             self._recount(w)
 
     # -- internals ---------------------------------------------------------------------------

@@ -74,6 +74,7 @@ class Candidate:
     over_limit: bool = False
     ring_rank: int = NOT_ON_RING
     matched_chunks: int = 0  # leading chunk hashes of the request the index says it holds
+    service_s: float = 0.0  # mean time one of its requests holds a batch slot (s)
 
 
 @dataclass(slots=True)
@@ -153,29 +154,59 @@ def _decide(request: RouteRequest, chosen: Candidate, reason: str, cost: float,
                     chosen.matched_chunks)
 
 
+def fair_share_wait_s(in_system: int, service_s: float, bound: int) -> float:
+    """The wait a new request would have on a worker with only its fair share of slots.
+
+    ``bound`` is the fleet's fair share of requests in flight (:func:`hash_load_bound`); a
+    worker holding ``in_system`` requests looks busier by ``service_s / bound`` (one fair-share
+    slot turnover) per request beyond it. 0 within the share, or when ``bound`` is 0 (unknown).
+    """
+    ahead = in_system + 1 - bound
+    if bound <= 0 or ahead <= 0:
+        return 0.0
+    return ahead * service_s / bound
+
+
 def _cache_aware(request: RouteRequest, candidates: Sequence[Candidate], config: PolicyConfig) -> Decision:
     usable = _open(candidates)
     affinity = config.affinity if request.affinity is None else request.affinity
     weight = locality_weight(affinity)
+    shared_weight = min(weight, 1.0)
     knee = config.attention_knee_tokens
     prompt = max(1, request.prompt_tokens)
-    follow_cache = weight == math.inf
-    most = max(c.cached_tokens for c in usable) if follow_cache else 0
+    bound = request.load_bound
+    # Only a unique longest match holds a part of the prompt that no other candidate could serve
+    # from its cache: that exclusive part is what locality weights beyond its physical value. The
+    # part others hold too is valued at most as the TTFT it saves, so a popular prefix (a shared
+    # system prompt) replicates as soon as its holders queue up.
+    matched = [c.cached_tokens if c.cached_tokens < prompt else prompt - 1 for c in usable]
+    first = max(matched)
+    owner = -1
+    second = 0
+    if first > 0 and matched.count(first) == 1:
+        owner = matched.index(first)
+        second = max((m for i, m in enumerate(matched) if i != owner), default=0)
+    follow_cache = weight == math.inf and owner >= 0
     costs: list[tuple[str, float]] = []
     pool: list[tuple[float, float, Candidate]] = []  # (cost, full prefill, candidate)
     best_cost = math.inf
     best_full = 0.0
-    for c in usable:
-        full = prefill_seconds(prompt, 0, c.tokens_per_s, knee)
-        cached = c.cached_tokens if c.cached_tokens < prompt else prompt - 1
-        actual = prefill_seconds(prompt - cached, cached, c.tokens_per_s, knee) if cached > 0 else full
-        if follow_cache:
-            cost = c.pending_s + actual
+    for i, c in enumerate(usable):
+        rate = c.tokens_per_s
+        full = prefill_seconds(prompt, 0, rate, knee)
+        cached = matched[i]
+        actual = prefill_seconds(prompt - cached, cached, rate, knee) if cached > 0 else full
+        cost = c.pending_s + fair_share_wait_s(c.in_system, c.service_s, bound)
+        if i != owner:
+            cost += full - shared_weight * (full - actual)
+        elif follow_cache:
+            cost += actual
         else:
-            cost = c.pending_s + full - weight * (full - actual)
+            common = prefill_seconds(prompt - second, second, rate, knee) if second > 0 else full
+            cost += full - shared_weight * (full - common) - weight * (common - actual)
         costs.append((c.worker_id, cost))
-        if follow_cache and c.cached_tokens != most:
-            continue  # following the cache: only the longest matches compete on TTFT
+        if follow_cache and i != owner:
+            continue  # following the cache: only its one exclusive holder competes
         pool.append((cost, full, c))
         if cost < best_cost:
             best_cost, best_full = cost, full

@@ -105,6 +105,7 @@ class SimRouter:
             worker_id=worker.worker_id, running=len(worker.running), waiting=len(worker.waiting),
             queued_prefill_tokens=worker.queued_prefill_tokens, running_tokens=worker.running_tokens,
             free_blocks=worker.pool.get_num_free_blocks(), total_blocks=worker.pool.num_blocks,
+            capacity_tokens=worker.pool.num_blocks * worker.unit,
             max_num_seqs=worker.max_num_seqs, max_num_batched_tokens=worker.max_num_batched_tokens,
             prefill_tokens_per_s=prefill_tokens_per_s, decode_step_s=decode_step_s, ts=now), now)
 

@@ -77,7 +77,9 @@ def test_a_hot_prefix_spills_to_the_next_workers_on_its_ring_as_its_owner_queues
 def test_a_fully_cached_hot_prefix_spills_once_the_wait_for_a_batch_slot_outgrows_its_saving():
     board = LoadBoard(SpeedProfile(prefill_tokens_per_s=1000.0, decode_step_s=0.0, max_num_seqs=4,
                                    service_s=20.0), max_inflight=100)
-    b = Balancer(PolicyConfig(affinity=0.8), chunk_size=128, board=board, tokens_per_byte=1.0)
+    # No fair share (an unbounded load factor): this is about the batch slots alone.
+    b = Balancer(PolicyConfig(affinity=0.8, hash_load_factor=1e9), chunk_size=128, board=board,
+                 tokens_per_byte=1.0)
     for w in WORKERS:
         b.add_worker(w, block_size=16)
     p = key(DOC)
@@ -245,3 +247,26 @@ def test_a_prefix_held_by_many_workers_is_scored_on_its_longest_matches_only():
     costs = dict(d.costs)
     cold = prefill_seconds(d.prompt_tokens, 0, 1000.0, 32768.0)
     assert owner != "w9" and costs[owner] < cold
+
+
+def test_new_sessions_sharing_a_system_prompt_one_worker_holds_spread_past_its_fair_share():
+    # w1 holds a 256-token system prompt (16 x 0.256 s of locality while it is the only holder).
+    # Eight new sessions arrive at once; a request holds its slot ~8 s. Within its fair share of
+    # requests in flight (2, bounded-load's ceil(1.25 x 4 / 4)) w1 takes them; the third would
+    # wait a fair-share slot turnover (8 s / 2) and goes to an idle worker, which then holds the
+    # prompt too -- from there on it is shared, worth only the time it saves, and the sessions
+    # spread evenly.
+    board = LoadBoard(SpeedProfile(prefill_tokens_per_s=1000.0, decode_step_s=0.0, service_s=8.0))
+    b = Balancer(PolicyConfig(affinity=0.8), chunk_size=128, board=board, tokens_per_byte=1.0)
+    for w in WORKERS:
+        b.add_worker(w, block_size=16)
+    system = DOC[:256]
+    b.apply_kv_event(KVEvent("w1", "stored", key(system).hashes, chunk_size=128, seq=1), now=0.0)
+    placed = []
+    for i in range(8):
+        p = key(system + f" user {i}: " + "tell me more. " * 30, session=f"s{i}")
+        d = b.decide(p, now=0.0)
+        b.dispatch(d, p, now=0.0)
+        placed.append(d.worker_id)
+    assert placed[:2] == ["w1", "w1"] and "w1" not in placed[2:5]
+    assert {w: b.board.get(w).in_system for w in WORKERS} == {"w1": 2, "w2": 2, "w3": 2, "w4": 2}

@@ -105,3 +105,42 @@ def test_total_in_system_follows_dispatches_finishes_and_removals():
     assert b.total_in_system == 2
     b.remove_worker("B")
     assert b.total_in_system == 0
+
+
+def test_a_worker_whose_kv_cache_is_full_makes_new_requests_wait_for_a_slot():
+    # 10 running requests hold 90,000 of 100,000 KV tokens: ~11.1 such requests fit, far fewer
+    # than its 64 batch slots. 15 in the system: a new one waits 4.89 slot turnovers of 2 s / 11.1.
+    b = LoadBoard(SpeedProfile(prefill_tokens_per_s=2000.0, max_num_seqs=64, service_s=2.0))
+    b.add_worker("A")
+    b.apply_report(LoadReport("A", running=10, waiting=5, running_tokens=90_000, capacity_tokens=100_000,
+                              ts=0.0), now=0.0)
+    slots = 10 * 100_000 / 90_000
+    assert b.get("A").slots() == pytest.approx(slots)
+    assert b.pending_s("A", now=0.0) == pytest.approx((15 + 1 - slots) * 2.0 / slots)
+    # The same load with room in the cache: the batch limit applies, and 64 slots are free.
+    b.apply_report(LoadReport("A", running=10, waiting=5, running_tokens=9_000, capacity_tokens=100_000,
+                              ts=1.0), now=1.0)
+    assert b.pending_s("A", now=1.0) == 0.0
+
+
+def test_a_late_report_does_not_count_again_what_prefilled_or_finished_after_its_timestamp():
+    b = board("A")
+    t1 = b.dispatch("A", 2000, now=10.0)
+    b.dispatch("A", 1000, now=10.0)
+    b.prefilled(t1, now=11.5)
+    b.finish(t1, now=12.0)
+    # Stamped 11.0 (both requests waiting, 3,000 tokens queued), it arrives at 12.5: t1 has
+    # prefilled and finished since, so only t2 is in the system and only its 1,000 tokens queued.
+    b.apply_report(LoadReport("A", waiting=2, queued_prefill_tokens=3000, ts=11.0), now=12.5)
+    rate = 1 / (1 / 2000 + 0.02 / 2000)
+    assert b.get("A").in_system == 1
+    assert b.pending_s("A", now=11.0) == pytest.approx(1000 / rate)
+
+
+def test_a_requests_slot_time_counts_from_the_start_of_its_prefill_not_its_wait_in_the_queue():
+    b = LoadBoard(SpeedProfile(prefill_tokens_per_s=1000.0, decode_step_s=0.0, service_s=2.0))
+    b.add_worker("A")
+    t = b.dispatch("A", 1000, now=0.0)   # 1 s of prefill
+    b.prefilled(t, now=5.0)              # it waited 4 s in the worker's queue
+    b.finish(t, now=8.0)                 # held a slot from 4.0 to 8.0
+    assert b.get("A").service_s == pytest.approx(2.0 + 0.2 * (4.0 - 2.0))

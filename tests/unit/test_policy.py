@@ -11,15 +11,15 @@ import math
 import pytest
 
 from router.policy import (NOT_ON_RING, Candidate, NoCapacity, PolicyConfig, RouteRequest, choose,
-                           hash_load_bound, locality_weight, prefill_seconds)
+                           fair_share_wait_s, hash_load_bound, locality_weight, prefill_seconds)
 
 LINEAR = PolicyConfig(attention_knee_tokens=1e18)
 
 
 def cand(worker_id: str, cached: int = 0, pending: float = 0.0, rank: int = NOT_ON_RING,
-         in_system: int = 0, over_limit: bool = False) -> Candidate:
+         in_system: int = 0, over_limit: bool = False, service: float = 0.0) -> Candidate:
     return Candidate(worker_id, cached_tokens=cached, pending_s=pending, tokens_per_s=1000.0,
-                     in_system=in_system, over_limit=over_limit, ring_rank=rank)
+                     in_system=in_system, over_limit=over_limit, ring_rank=rank, service_s=service)
 
 
 def req(affinity: float | None = None, session: bool = False, bound: int = 0) -> RouteRequest:
@@ -91,12 +91,55 @@ def test_affinity_one_still_respects_the_hard_limit():
     assert (decision.worker_id, decision.reason) == ("C", "spill")
 
 
-def test_affinity_one_prefers_the_longest_match_then_the_lower_ttft():
+def test_affinity_one_follows_a_longest_match_only_one_worker_holds():
+    a = cand("A", cached=400, rank=0)
+    b = cand("B", cached=800, pending=3.0, rank=1)
+    c = cand("C", cached=300, pending=1.0, rank=2)
+    decision = choose(req(affinity=1.0), [a, b, c], LINEAR)
+    assert (decision.worker_id, decision.predicted_cached_tokens) == ("B", 800)
+
+
+def test_affinity_one_places_a_longest_match_several_workers_hold_by_predicted_ttft():
+    # B and C both hold 800 tokens: nothing is exclusive, so locality counts only the time it
+    # saves (as the limit of a -> 1 does): A's 0.6 s beats C's 1.0 + 0.2 s and B's 3.0 + 0.2 s.
+    # (Before exclusivity was measured, a = 1 sent this to C, the less loaded longest match.)
     a = cand("A", cached=400, rank=0)
     b = cand("B", cached=800, pending=3.0, rank=1)
     c = cand("C", cached=800, pending=1.0, rank=2)
     decision = choose(req(affinity=1.0), [a, b, c], LINEAR)
-    assert (decision.worker_id, decision.predicted_cached_tokens) == ("C", 800)
+    assert (decision.worker_id, decision.predicted_cached_tokens) == ("A", 400)
+    assert dict(decision.costs) == pytest.approx({"A": 0.6, "B": 3.2, "C": 1.2})
+
+
+def test_only_the_part_of_a_match_no_other_candidate_holds_is_weighted_beyond_its_saving():
+    # A holds 800 tokens, B the first 500 of them. A's exclusive 300 tokens are weighted 16x:
+    # 10 + 1.0 - (1.0 - 0.5) - 16 x (0.5 - 0.2) = 5.7 s. B's 500 are held by A too: worth the
+    # 0.5 s they save, no more, so B (0.6 + 0.5 s) loses to a cold prefill on idle C (1.0 s).
+    a = cand("A", cached=800, pending=10.0, rank=0)
+    b = cand("B", cached=500, pending=0.6, rank=1)
+    c = cand("C", rank=2)
+    decision = choose(req(), [a, b, c], LINEAR)
+    assert (decision.worker_id, decision.reason) == ("C", "spill")
+    assert dict(decision.costs) == pytest.approx({"A": 5.7, "B": 1.1, "C": 1.0})
+
+
+def test_the_fair_share_wait_is_one_slot_turnover_per_request_beyond_the_share():
+    # A fair share of 3 in flight: a 5th request on a worker holding 4 is 2 beyond it.
+    assert fair_share_wait_s(in_system=4, service_s=2.0, bound=3) == pytest.approx(2 * 2.0 / 3)
+    assert fair_share_wait_s(in_system=2, service_s=2.0, bound=3) == 0.0
+    assert fair_share_wait_s(in_system=9, service_s=2.0, bound=0) == 0.0  # no share known
+
+
+def test_beyond_its_fair_share_a_worker_keeps_long_exclusive_prefixes_but_not_short_ones():
+    # A holds 10 requests against a share of 3 (20 s each): 8 x 20 / 3 = 53.3 s of fair-share
+    # wait. Its exclusive 900 tokens are worth 16 x 0.9 = 14.4 s; with a 2 s service time the
+    # wait is 5.33 s and A keeps the request; with 20 s it goes to idle B.
+    for service, expected in ((2.0, "A"), (20.0, "B")):
+        a = cand("A", cached=900, rank=0, in_system=10, service=service)
+        b = cand("B", rank=1, service=service)
+        decision = choose(req(bound=3), [a, b], LINEAR)
+        assert decision.worker_id == expected
+        assert dict(decision.costs)["A"] == pytest.approx(1.0 - 14.4 + 8 * service / 3)
 
 
 def test_no_match_anywhere_goes_to_the_ring_owner_among_near_equal_workers():
