@@ -1,27 +1,42 @@
 """Routing policies: pure functions from (request, candidates, config) to a Decision.
 
 ``cache_aware`` (the default) minimises each candidate's predicted time to first token, minus a
-locality bonus (design.md section 4)::
+locality bonus, plus a fair-share wait (design.md section 4)::
 
-    cost(w) = pending_s(w) + prefill_s(P, 0, w) - L(a) * saved_s(w)
-    saved_s(w) = prefill_s(P, 0, w) - prefill_s(P - c_w, c_w, w)
+    cost(w) = pending_s(w) + fair_wait_s(w) + prefill_s(P, 0, w)
+              - min(L, 1) * shared_saved_s(w) - L(a) * exclusive_saved_s(w)
 
 with ``P`` prompt tokens, ``c_w`` predicted cached tokens on ``w``, and the prefill cost of
 ``u`` new tokens over ``c`` cached ones ``prefill_s(u, c, w) = u / rate_w * (1 + (c + u/2) /
 knee)`` (linear work plus attention over the cached prefix and the new tokens themselves).
+
+**Shared and exclusive.** ``saved_s(w) = prefill_s(P, 0, w) - prefill_s(P - c_w, c_w, w)`` is
+what w's cache saves this request. The part of ``c_w`` that another candidate also holds (the
+second-longest match ``c_2``) is *shared*; only a unique longest match has an *exclusive* part
+``c_w - c_2``, and only that part is worth ``L`` times its saving: it is what keeps a session's
+history or a document with the worker that holds it. A shared prefix (a system prompt many
+workers hold) is worth the time it saves and no more, so it replicates as soon as its holders
+queue up, instead of drawing every request that starts with it.
+
+**Fair share.** ``fair_wait_s(w)`` (:func:`fair_share_wait_s`) makes a worker holding more than
+its share of the requests in flight -- bounded-load consistent hashing's ``ceil(1.25 x mean)``
+-- look busier by one fair-share slot turnover (its ``service_s / share``) per request beyond
+it. A long exclusive prefix still outweighs it; a small saving (the first copy of a popular
+prompt, a short document) does not, so locality never piles the fleet's work onto a few
+workers while others idle. Within the share it is 0.
 
 ``L(a)`` is the **locality weight** for affinity ``a`` in [0, 1], the squared odds of ``a``::
 
     L(a) = (a / (1 - a))**2      a:  0    0.2    0.5    0.8    0.9    1
                                  L:  0    1/16   1      16     81     inf
 
-* ``a = 0``: ``L = 0``, the cache is ignored and the least pending work wins;
-* ``a = 0.5``: ``L = 1``, the saving is weighted at its physical value, so ``cost`` is the
-  predicted TTFT itself (the design brief's evidence: 82-101% of the ideal hit rate);
-* ``a = 0.8`` (the default): ``L = 16``, the "much larger locality weight" that came within ~3
-  points of SGLang's hit rate while keeping the tail-latency win;
-* ``a = 1``: ``L = inf``: the most cached tokens win outright (then the lowest TTFT), unless a
-  worker is over its hard limit.
+* ``a = 0``: ``L = 0``, the cache is ignored: the least pending work (and fair-share wait) wins;
+* ``a = 0.5``: ``L = 1``, every saving at its physical value: ``cost`` is the predicted TTFT
+  (plus the fair-share wait);
+* ``a = 0.8`` (the default, chosen from the sweep in docs/benchmarks.md): ``L = 16``;
+* ``a = 1``: ``L = inf``: a unique longest match wins outright (then nothing but the hard limit
+  counts); a longest match several workers hold is placed by predicted TTFT, as the limit of
+  ``a -> 1`` does.
 
 Near-ties -- candidates within ``tie_tolerance`` (relative) + ``tie_floor_s`` of the best cost --
 go to the earliest of them on the request key's ring (its session key, or its first chunks),
