@@ -107,26 +107,16 @@ def _simulate(workload: Workload, cfg: FleetConfig) -> SimResult:
     measured = cfg.router.speed_report == "measured"
     next_report = 0.0
 
-    def handle(w: SimWorker, now: float) -> None:
-        if w.first_tokens:
-            for req in w.take_first_tokens():
-                router.on_first_token(req, now)
-        for kind, hashes in w.take_kv_events():
-            router.on_kv(w.worker_id, kind, hashes, now)
-        if w.finished:
-            for req in w.take_finished():
-                router.on_finish(req, now)
+    reporting = interval > 0
+    heappop, heappush = heapq.heappop, heapq.heappush
+    on_first_token, on_kv, on_finish = router.on_first_token, router.on_kv, router.on_finish
 
+    # The event loop: millions of iterations, so its names are locals and its calls few.
     def run_until(t: float) -> None:
         nonlocal seq, next_report
-        while True:
-            if not heap:
-                # An idle fleet sends nothing new; resume the heartbeat grid at ``t``.
-                if interval > 0 and t != float("inf"):
-                    next_report = max(next_report, math.ceil(t / interval) * interval)
-                return
+        while heap:
             head = heap[0][0]
-            if interval > 0 and next_report <= min(head, t):
+            if reporting and next_report <= (head if head < t else t):
                 for w in workers:
                     rate = w.speed.prefill_tokens_per_s if measured else prefill_rate
                     router.report(w, next_report, rate, w.speed.decode_step_s)
@@ -134,31 +124,42 @@ def _simulate(workload: Workload, cfg: FleetConfig) -> SimResult:
                 continue
             if head > t:
                 return
-            when, _, wi, version = heapq.heappop(heap)
+            when, _, wi, version = heappop(heap)
             w = workers[wi]
             if version != w.version:
                 continue
             nxt = w.on_event(when)
-            handle(w, when)
+            if w.first_tokens:
+                for req in w.take_first_tokens():
+                    on_first_token(req, when)
+            for kind, hashes in w.take_kv_events():
+                on_kv(w.worker_id, kind, hashes, when)
+            if w.finished:
+                for req in w.take_finished():
+                    on_finish(req, when)
             if nxt is not None:
                 seq += 1
-                heapq.heappush(heap, (nxt, seq, wi, w.version))
+                heappush(heap, (nxt, seq, wi, w.version))
+        # An idle fleet sends nothing new; resume the heartbeat grid at ``t``.
+        if reporting and t != float("inf"):
+            next_report = max(next_report, math.ceil(t / interval) * interval)
 
     hasher = UnitHasher(cfg.unit)  # = bench.workloads.unit_hashes, memoised
+    speedup, bos, fits, route = cfg.speedup, cfg.bos_tokens, workers[0].fits, router.route
     for spec in workload.requests:
-        now = spec.arrival_s / cfg.speedup
+        now = spec.arrival_s / speedup
         run_until(now)
-        req = SimRequest(spec.index, now, hasher(spec.segments),
-                         spec.prompt_tokens + cfg.bos_tokens, spec.max_tokens, spec.session)
+        req = SimRequest(spec.index, now, hasher(spec.segments), spec.prompt_tokens + bos, spec.max_tokens,
+                         spec.session)
         requests.append(req)
         if req.num_prompt + 1 > max_len:  # the worker answers 400, as vLLM does
             req.error = f"prompt of {req.num_prompt} tokens exceeds the context length {max_len}"
             continue
-        if not workers[0].fits(req):
+        if not fits(req):
             req.error = "prompt and max_tokens do not fit the worker's KV cache"
             continue
         try:
-            decision = router.route(req, now)
+            decision = route(req, now)
         except NoCapacity as exc:
             req.error = f"no capacity: {exc}"
             continue
@@ -167,7 +168,7 @@ def _simulate(workload: Workload, cfg: FleetConfig) -> SimResult:
         nxt = w.add(req, now)
         if nxt is not None:
             seq += 1
-            heapq.heappush(heap, (nxt, seq, wi, w.version))
+            heappush(heap, (nxt, seq, wi, w.version))
     run_until(float("inf"))
 
     end = max((r.finished_at or r.arrival for r in requests), default=0.0)
