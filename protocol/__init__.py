@@ -4,10 +4,11 @@ This package imports nothing of ours; both ``router`` and ``worker`` import it.
 """
 from protocol.hashing import DEFAULT_CHUNK_SIZE, chunk_hashes, namespace_seed, session_hash
 from protocol.keys import DEFAULT_PREFIX, RedisKeys
-from protocol.messages import KVEvent, LoadReport, MessageError, WorkerInfo
+from protocol.messages import ATTENTION_KNEE_TOKENS, KVEvent, LoadReport, MessageError, WorkerInfo
 from protocol.render import RenderError, render_chat, render_completion, render_request
 
 __all__ = [
+    "ATTENTION_KNEE_TOKENS",
     "DEFAULT_CHUNK_SIZE",
     "DEFAULT_PREFIX",
     "KVEvent",

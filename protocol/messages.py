@@ -68,13 +68,21 @@ class WorkerInfo(_Message):
     started_at: float = field(default_factory=time.time)
 
 
+# The context length at which a prefill token's attention costs as much as its linear work: the
+# unit of ``LoadReport.prefill_tokens_per_s`` (linear-equivalent tokens per second: a prefill of
+# ``n`` new tokens over ``c`` computed ones is ``n * (1 + (c + n/2) / knee)`` of work), and the
+# default of the router's ``--attention-knee-tokens``. Llama-3-8B's ratio is ~28.6K tokens, 70B's ~53K.
+ATTENTION_KNEE_TOKENS = 32768.0
+
+
 @dataclass(slots=True)
 class LoadReport(_Message):
     """A worker's load and measured speed, sent as a heartbeat and served at ``GET /load``.
 
     The router converts ``queued_prefill_tokens`` and ``running`` into seconds of pending work
-    with ``prefill_tokens_per_s`` and ``decode_step_s``; those are measured by the worker on
-    its recent steps (a profile's values until it has measured).
+    with ``prefill_tokens_per_s`` (in linear-equivalent tokens, see ``ATTENTION_KNEE_TOKENS``)
+    and ``decode_step_s``; those are measured by the worker on its recent steps (a profile's
+    values until it has measured).
     """
 
     worker_id: str

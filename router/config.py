@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from protocol import DEFAULT_CHUNK_SIZE, DEFAULT_PREFIX
+from protocol import ATTENTION_KNEE_TOKENS, DEFAULT_CHUNK_SIZE, DEFAULT_PREFIX
 from protocol.settings import load_settings, setting
 from router.load import SpeedProfile
 from router.policy import POLICIES, PolicyConfig
@@ -54,7 +54,7 @@ class RouterConfig:
                                            "max_num_seqs)", minimum=0)
     tie_tolerance: float = setting(0.05, "relative cost difference treated as a tie (then the ring "
                                    "decides)", minimum=0.0, maximum=1.0)
-    attention_knee_tokens: float = setting(32768.0, "context length at which attention costs as much "
+    attention_knee_tokens: float = setting(ATTENTION_KNEE_TOKENS, "context length at which attention costs as much "
                                            "as the linear prefill work", minimum=1.0)
     hash_load_factor: float = setting(1.25, "consistent_hash: max load as a multiple of the mean",
                                       minimum=1.0)

@@ -49,6 +49,8 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+from protocol import ATTENTION_KNEE_TOKENS
+
 POLICIES = ("cache_aware", "least_load", "consistent_hash", "round_robin")
 REASONS = ("prefix", "session", "ring", "spill", "least_load", "round_robin", "hash")
 NOT_ON_RING = 1 << 30  # ring_rank of a candidate that is not among the key's ring successors
@@ -70,7 +72,7 @@ class PolicyConfig:
     affinity: float = 0.8
     tie_tolerance: float = 0.05
     tie_floor_s: float = 0.001
-    attention_knee_tokens: float = 32768.0
+    attention_knee_tokens: float = ATTENTION_KNEE_TOKENS
     hash_load_factor: float = 1.25
     ring_candidates: int = 3
     load_candidates: int = 2

@@ -4,10 +4,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable
 
-# The context length at which a prefill token's attention costs as much as its linear work: the
-# unit of the measured prefill speed, shared with the router's cost model (its
-# ``--attention-knee-tokens`` default). Llama-3-8B's ratio is ~28.6K tokens, 70B's ~53K.
-ATTENTION_KNEE_TOKENS = 32768.0
+from protocol import ATTENTION_KNEE_TOKENS  # the unit of the measured prefill speed
 
 
 def prefill_work(chunks: Iterable[tuple[int, int]], knee: float = ATTENTION_KNEE_TOKENS) -> float:

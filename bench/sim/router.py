@@ -40,7 +40,7 @@ class SimRouterConfig:
     index_entries: int = 2_000_000
     # "measured": each replica reports its own SpeedMeter EMA, as the worker does; "nominal": all
     # report the profile's nominal prefill speed (what a context-normalised measurement would give
-    # identical GPUs; the report's "proposed" rows).
+    # identical GPUs; the report's "control" rows).
     speed_report: str = "measured"
 
 
