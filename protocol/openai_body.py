@@ -1,11 +1,40 @@
 """Decoding a request body within limits: size (413), UTF-8, JSON, nesting depth, surrogates."""
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, AsyncIterator, Protocol
 
-from protocol.openai_errors import bad_request, body_too_large
+from protocol.openai_errors import OpenAIError, bad_request, body_too_large
+
+
+class BodyStream(Protocol):
+    """What a request body is read from (aiohttp's ``StreamReader``)."""
+
+    def iter_chunked(self, n: int) -> AsyncIterator[bytes]: ...
+
+
+async def read_limited_body(content_length: int | None, content: BodyStream, limit: int,
+                            timeout: float) -> bytes:
+    """The raw body: a 413 as soon as it is (or is declared) over ``limit`` bytes, a 408 when it
+    has not all arrived within ``timeout`` seconds (slow clients cannot hold a handler)."""
+    if content_length is not None and content_length > limit:
+        raise body_too_large(limit)
+
+    async def _read() -> bytes:
+        chunks, size = [], 0
+        async for chunk in content.iter_chunked(64 * 1024):
+            size += len(chunk)
+            if size > limit:
+                raise body_too_large(limit)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    try:
+        return await asyncio.wait_for(_read(), timeout)
+    except asyncio.TimeoutError:
+        raise OpenAIError(408, f"Request body not received within {timeout:g} s", code="timeout") from None
 
 
 @dataclass(frozen=True, slots=True)

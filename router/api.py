@@ -8,7 +8,6 @@ JSON here, once (see :func:`error_middleware`).
 """
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import logging
@@ -19,8 +18,9 @@ from typing import Awaitable, Callable, Sequence
 from aiohttp import web
 
 from protocol import RenderError
-from protocol.openai_api import (OpenAIError, RequestLimits, bad_request, body_too_large, error_body,
-                                 model_not_found, parse_request)
+from protocol.openai_api import (OpenAIError, RequestLimits, bad_request, error_body, model_not_found,
+                                 parse_request)
+from protocol.openai_body import read_limited_body
 from router.context import RouterContext
 from router.metrics import CONTENT_TYPE
 from router.prompt import prompt_key, session_key_of
@@ -61,26 +61,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 async def read_body(request: web.Request, limit: int, timeout: float = 30.0) -> bytes:
     """The request body: a 413 as soon as it exceeds ``limit`` bytes, a 408 after ``timeout`` s."""
-    if request.content_length is not None and request.content_length > limit:
-        raise body_too_large(limit)
-
-    async def _read() -> bytes:
-        if request.content_length is not None:
-            return await request.read()  # the declared length is within the limit: one read
-        chunks = []
-        size = 0
-        async for chunk in request.content.iter_chunked(1 << 16):
-            size += len(chunk)
-            if size > limit:
-                raise body_too_large(limit)
-            chunks.append(chunk)
-        return b"".join(chunks)
-
-    try:
-        return await asyncio.wait_for(_read(), timeout)
-    except asyncio.TimeoutError:
-        raise OpenAIError(408, f"Request body not received within {timeout:g} s", "invalid_request_error",
-                          None, "timeout") from None
+    return await read_limited_body(request.content_length, request.content, limit, timeout)
 
 
 def check_api_key(header: str | None, keys: Sequence[str]) -> None:
