@@ -9,43 +9,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from http import HTTPStatus
 
 from aiohttp import web
 
-from protocol.openai_api import error_body
+from protocol.http_errors import OpenAIErrorServer
 from router.admin import admin_app
 from router.api import CONTEXT, add_routes, error_middleware
 from router.config import RouterConfig
 from router.context import RouterContext, build_context, start, stop
 
 log = logging.getLogger("prefixlb.router")
-
-
-class OpenAIErrorRequestHandler(web.RequestHandler):
-    """aiohttp's connection handler, answering malformed HTTP (oversized or too many headers, bad
-    framing) with an OpenAI-shaped JSON 4xx instead of plain text, and logging it at debug level
-    only: the client is at fault, and a flood of them must not flood the log."""
-
-    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
-                     message: str | None = None) -> web.StreamResponse:
-        if status >= 500:
-            return super().handle_error(request, status, exc, message)
-        log.debug("event=malformed_http status=%d error=%r", status, str(exc)[:200])
-        if request.writer.output_size > 0:
-            raise ConnectionError("Response is sent already, cannot send another response")
-        detail = " ".join((message or "").split())[:300] or HTTPStatus(status).phrase
-        response = web.json_response(error_body(f"Malformed HTTP request: {detail}", "invalid_request_error",
-                                                None, "malformed_request"), status=status)
-        response.force_close()
-        return response
-
-
-class OpenAIErrorServer(web.Server):
-    """A ``web.Server`` whose connections use :class:`OpenAIErrorRequestHandler`."""
-
-    def __call__(self) -> web.RequestHandler:
-        return OpenAIErrorRequestHandler(self, loop=self._loop, **self._kwargs)
 
 
 def build_app(ctx: RouterContext) -> web.Application:

@@ -20,13 +20,14 @@ from typing import Callable
 
 from aiohttp import web
 
+from protocol.http_errors import OpenAIErrorServer
 from protocol.keys import RedisKeys
 from protocol.messages import KV_CLEARED
 from protocol.openai_api import RequestLimits
 from worker.api import openai_routes, probes
 from worker.api.auth import api_key_middleware
 from worker.api.context import CTX, WorkerContext
-from worker.api.errors import OpenAIErrorServer, error_middleware
+from worker.api.errors import error_middleware
 from worker.async_engine import AsyncLLMEngine
 from worker.config import EngineConfig
 from worker.engine import LLMEngine

@@ -42,32 +42,6 @@ def map_exception(exc: BaseException) -> tuple[int, OpenAIError]:
     return 500, OpenAIError(500, "Internal server error", SERVER_ERROR)
 
 
-class OpenAIErrorRequestHandler(web.RequestHandler):
-    """aiohttp's connection handler, answering malformed HTTP (oversized or too many headers, bad
-    framing) with an OpenAI-shaped JSON 4xx instead of plain text, logged at debug level only
-    (the client is at fault; a flood of them must not flood the log)."""
-
-    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
-                     message: str | None = None) -> web.StreamResponse:
-        if status >= 500:
-            return super().handle_error(request, status, exc, message)
-        log.debug("event=malformed_http status=%d error=%r", status, str(exc)[:200])
-        if request.writer.output_size > 0:
-            raise ConnectionError("Response is sent already, cannot send another response")
-        detail = " ".join((message or "").split())[:300] or "Bad Request"
-        response = web.json_response(OpenAIError(status, f"Malformed HTTP request: {detail}", INVALID_REQUEST,
-                                                 code="malformed_request").body(), status=status)
-        response.force_close()
-        return response
-
-
-class OpenAIErrorServer(web.Server):
-    """A ``web.Server`` whose connections use :class:`OpenAIErrorRequestHandler`."""
-
-    def __call__(self) -> web.RequestHandler:
-        return OpenAIErrorRequestHandler(self, loop=self._loop, **self._kwargs)
-
-
 def error_middleware(worker_id: str, on_error=None):
     """Middleware: map exceptions (see module docstring), name the worker on every response."""
 
