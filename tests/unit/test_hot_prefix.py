@@ -60,10 +60,11 @@ def test_a_hot_prefix_spreads_over_its_ring_successors_in_ring_order():
     assert homes[:3] == ring_order[:3]  # its next homes are the next workers on its ring
 
 
-@pytest.mark.parametrize("affinity,bound_ms", [(0.8, 2000.0), (0.5, 100.0)])
+@pytest.mark.parametrize("affinity,bound_ms", [(0.8, 60.0), (0.5, 60.0), (1.0, 400.0)])
 def test_p99_ttft_of_a_hot_prefix_is_bounded_and_does_not_grow_with_the_overload(affinity, bound_ms):
-    # The bound is what the affinity knob buys: at 0.8 (locality weighted 16x) the first home
-    # keeps a prefix until its queue costs ~16x the prefill it saves (~110 ms here); at 0.5, 1x.
+    # Once a second worker holds the prefix it is shared, valued at its physical saving whatever
+    # the affinity (< 1), so its holders' queues spill it at once (measured p99: 18 ms at 0.5 and
+    # 0.8). At a = 1 the unique holder keeps it until its hard limit (measured: 114 ms).
     records = run(workers=8, affinity=affinity)
     third = len(records) // 3
     first, last = p99(r.ttft_ms for r in records[:third]), p99(r.ttft_ms for r in records[-third:])
