@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -30,6 +31,61 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class RedisServer:
+    """A private ``redis-server`` on a free loopback port, without persistence (a restart loses
+    everything, as a crashed cache node comes back); ``with RedisServer(dir) as r:`` or start/stop."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.port = free_port()
+        self.workdir = Path(workdir)
+        self.popen: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise ClusterError("redis-server is not installed (make redis installs it)")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        with open(self.workdir / "redis.log", "ab") as log:
+            self.popen = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                           "--appendonly", "no", "--dir", str(self.workdir)],
+                                          stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 10
+        while not self.ping():
+            if time.monotonic() > deadline:
+                raise ClusterError(f"redis-server on {self.port} did not answer within 10 s")
+            time.sleep(0.05)
+
+    def ping(self) -> bool:
+        import redis
+
+        try:
+            return bool(redis.Redis(port=self.port, socket_timeout=0.5).ping())
+        except redis.RedisError:
+            return False
+
+    def stop(self) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.terminate()
+            self.popen.wait(10)
+        self.popen = None
+
+    def used_memory(self) -> int:
+        import redis
+
+        return int(redis.Redis(port=self.port).info("memory")["used_memory"])
+
+    def __enter__(self) -> "RedisServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 def _get_ok(url: str) -> bool:

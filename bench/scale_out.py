@@ -31,7 +31,7 @@ import numpy as np
 from bench.cluster import cluster
 from bench.loadgen import LoadConfig, run_load
 from bench.records import RequestRecord
-from bench.soak import RedisServer
+from bench.cluster import RedisServer
 from bench.workloads.base import RequestSpec, Workload
 
 ADMIN_TOKEN = "bench"

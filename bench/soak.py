@@ -19,9 +19,7 @@ import asyncio
 import json
 import os
 import re
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -29,46 +27,7 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.cluster import Process, cluster, free_port
-
-
-class RedisServer:
-    """A private ``redis-server`` on a free port, without persistence."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.port = free_port()
-        self.workdir = workdir
-        self.popen: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def __enter__(self) -> "RedisServer":
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise SystemExit("redis-server is not installed (make redis installs it)")
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        log = open(self.workdir / "redis.log", "ab")
-        self.popen = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                       "--appendonly", "no", "--dir", str(self.workdir)],
-                                      stdout=log, stderr=subprocess.STDOUT)
-        import redis
-
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                redis.Redis(port=self.port, socket_timeout=0.5).ping()
-                return self
-            except redis.RedisError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-
-    def __exit__(self, *exc) -> None:
-        if self.popen is not None:
-            self.popen.terminate()
-            self.popen.wait(10)
+from bench.cluster import Process, RedisServer, cluster, free_port
 
 
 def rss_bytes(pid: int) -> int:

@@ -15,9 +15,7 @@ import asyncio
 import contextlib
 import json
 import random
-import shutil
 import signal
-import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
@@ -25,6 +23,7 @@ from pathlib import Path
 
 import aiohttp
 
+from bench.cluster import RedisServer
 from tests.integration.worker_client import call
 from tests.support import Proc, free_port, spawn, wait_for
 
@@ -36,48 +35,6 @@ def document(i: int) -> str:
     """A shared 2 KB document (16 chunks of 128 bytes): the prefix many requests start with."""
     text = "".join(f"Document {i}, clause {j}: the supplier delivers within {j + 7} days. " for j in range(40))
     return text[:2048]
-
-
-class RedisServer:
-    """A private ``redis-server`` on a free port, without persistence (a restart loses everything)."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.port = free_port()
-        self.workdir = workdir
-        self.popen: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        binary = shutil.which("redis-server")
-        assert binary, "redis-server is not installed (make redis installs it)"
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        log = open(self.workdir / "redis.log", "ab")
-        self.popen = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                       "--appendonly", "no", "--dir", str(self.workdir)],
-                                      stdout=log, stderr=subprocess.STDOUT)
-        wait_for(self.ping, 10, what=f"redis-server on {self.port}")
-
-    def ping(self) -> bool:
-        import redis
-
-        try:
-            return bool(redis.Redis(port=self.port, socket_timeout=0.5).ping())
-        except redis.RedisError:
-            return False
-
-    def stop(self) -> None:
-        if self.popen is not None and self.popen.poll() is None:
-            self.popen.terminate()
-            self.popen.wait(10)
-        self.popen = None
-
-    def used_memory(self) -> int:
-        import redis
-
-        return int(redis.Redis(port=self.port).info("memory")["used_memory"])
 
 
 @dataclass
