@@ -33,6 +33,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import contextlib
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -71,6 +72,11 @@ def serve_bare_proxy(port: int, upstream: str) -> None:
         yield
         await app[SESSION].close()
 
+    if os.environ.get("PREFIXLB_EVENT_LOOP", "auto") != "asyncio":  # the loop `prefixlb router` runs on
+        with contextlib.suppress(ImportError):
+            import uvloop
+
+            asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     app = web.Application()
     app.router.add_post("/v1/completions", forward)
     app.router.add_get("/health", health)
@@ -209,11 +215,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer requests")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--json", action="store_true", help="print the results as JSON too")
+    parser.add_argument("--event-loop", choices=("auto", "uvloop", "asyncio"), default="auto",
+                        help="the servers' event loop (PREFIXLB_EVENT_LOOP; auto: uvloop when installed)")
     parser.add_argument("--serve-bare-proxy", nargs=2, metavar=("PORT", "UPSTREAM"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_bare_proxy:
         serve_bare_proxy(int(args.serve_bare_proxy[0]), args.serve_bare_proxy[1])
         return 0
+    os.environ["PREFIXLB_EVENT_LOOP"] = args.event_loop  # inherited by worker, router and bare proxy
     n_seq = 100 if args.quick else 400
     n_load = 600 if args.quick else 3000
     results = {}
@@ -222,8 +231,8 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = {"unloaded": asyncio.run(paired(wurl, url, n_seq, stream=False)),
                              "streaming": asyncio.run(paired(wurl, url, n_seq, stream=True)),
                              "concurrency": asyncio.run(loaded(wurl, url, wpid, pid, n_load, args.concurrency))}
-    print(f"# router overhead  (load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} cores shared by "
-          f"client, proxy and worker)")
+    print(f"# router overhead  (servers' event loop: {args.event_loop}; load average {os.getloadavg()[0]:.1f}, "
+          f"{os.cpu_count()} cores shared by client, proxy and worker)")
     for name, r in results.items():
         unloaded, streaming, busy = r["unloaded"], r["streaming"], r["concurrency"]
         print(f"{name}:")

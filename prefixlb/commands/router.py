@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 
+from prefixlb.aio import run as run_loop
 from protocol.settings import SettingsError, build_parser, load_settings
 from router.config import ENV_PREFIX, RouterConfig
 
@@ -16,15 +16,6 @@ EXAMPLES = """examples:
 
 per request: header X-Prefixlb-Affinity: 0..1 overrides --affinity
 """
-
-
-def _run(coro) -> int:
-    """Run on uvloop when it is installed (about a third less CPU per proxied request)."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
 
 
 def main(argv: list[str]) -> int:
@@ -43,7 +34,7 @@ def main(argv: list[str]) -> int:
     from router.registry import InvalidWorkerURL
 
     try:
-        return _run(serve(cfg))
+        return run_loop(serve(cfg))
     except InvalidWorkerURL as exc:
         print(f"prefixlb router: {exc}", file=sys.stderr)
         return 2

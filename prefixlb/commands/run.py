@@ -37,6 +37,7 @@ def main(argv: list[str]) -> int:
         return 2
     logging.basicConfig(level="INFO", stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     from prefixlb.launcher import LaunchError, LocalWorkers, instructions, local_workers
+    from prefixlb.aio import run as run_loop
     from protocol.settings import SettingsError
     from router.app import serve
     from router.config import load_router_config
@@ -66,7 +67,7 @@ def main(argv: list[str]) -> int:
                 finally:
                     task.cancel()
 
-            return asyncio.run(run())
+            return run_loop(run())
     except (LaunchError, SettingsError) as exc:
         print(f"prefixlb run: {exc}", file=sys.stderr)
         return 1

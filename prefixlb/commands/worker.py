@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 
+from prefixlb.aio import run as run_loop
 from protocol.settings import SettingsError, build_parser, load_settings
 from worker.worker_config import ENV_PREFIX, WorkerConfig, parse_size
 
@@ -37,7 +37,7 @@ def main(argv: list[str]) -> int:
     from worker.simulator.profiles import ProfileError
 
     try:
-        return asyncio.run(serve(cfg))
+        return run_loop(serve(cfg))
     except (ModelLoadError, ProfileError, ValueError) as exc:
         print(f"prefixlb worker: {exc}", file=sys.stderr)
         return 2
