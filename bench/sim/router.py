@@ -35,7 +35,7 @@ class SimRouterConfig:
     policy: str = "cache_aware"
     affinity: float = 0.8
     ring_key_bytes: int = 1024  # the router's default: 8 chunks of 128 bytes
-    report_interval_s: float = 1.0
+    report_interval_s: float = 0.5  # the worker's --heartbeat-interval default
     optimistic_ttl_s: float = 30.0
     index_entries: int = 2_000_000
     # "measured": each replica reports its own SpeedMeter EMA, as the worker does; "nominal": all
