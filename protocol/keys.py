@@ -12,6 +12,7 @@ key                                type    content
 ``{p}kv_events``                   stream  KVEvent entries (field ``e``: JSON), MAXLEN ~N
 ``{p}index_snapshot``              string  PrefixIndex snapshot (with the stream id it covers)
 ``{p}config``                      hash    runtime router settings shared by routers
+``{p}drains``                      hash    worker URL -> admin drain time (unix s); EX 7 days
 =================================  ======  ===============================================
 """
 from __future__ import annotations
@@ -54,3 +55,8 @@ class RedisKeys:
     def config(self) -> str:
         """Runtime router settings shared by all routers."""
         return f"{self.prefix}config"
+
+    @property
+    def drains(self) -> str:
+        """Workers drained through any router's admin API (by URL), so every router drains them."""
+        return f"{self.prefix}drains"

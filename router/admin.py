@@ -15,8 +15,10 @@ GET      /admin/index                    prefix-index size and counters
 
 Authentication: ``Authorization: Bearer <token>`` compared in constant time with
 ``--admin-token`` (env ``PREFIXLB_ROUTER_ADMIN_TOKEN``). No header: 401; a wrong token: 403;
-no token configured: every admin call is refused (403). Runtime config changes are shared
-with every router through Redis when it is configured.
+no token configured: every admin call is refused (403). Runtime config changes and drains (and
+their end: adding the worker's URL again) are shared with every router through Redis when it is
+configured (``"shared": true`` in the answer); adding and removing workers is per router (workers
+join every router through Redis self-registration or Kubernetes discovery).
 """
 from __future__ import annotations
 
@@ -98,7 +100,8 @@ async def add_worker(request: web.Request) -> web.Response:
     except InvalidWorkerURL as exc:
         raise _error(400, str(exc), "invalid_request_error", "invalid_url") from None
     log.info("event=admin_worker_added url=%s", w.url)
-    return web.json_response(w.to_dict(), status=201)
+    shared = await _share_drain(ctx, w.url, False)  # adding a drained worker's URL undrains it everywhere
+    return web.json_response({**w.to_dict(), "shared": shared}, status=201)
 
 
 async def remove_worker(request: web.Request) -> web.Response:
@@ -111,10 +114,26 @@ async def remove_worker(request: web.Request) -> web.Response:
 
 async def drain_worker(request: web.Request) -> web.Response:
     """``POST /admin/workers/{id}/drain``."""
-    w = request.config_dict[CONTEXT].registry.drain(request.match_info["key"])
+    ctx = request.config_dict[CONTEXT]
+    w = ctx.registry.drain(request.match_info["key"])
     if w is None:
         raise _error(404, "No such worker", "not_found_error", "worker_not_found")
-    return web.json_response(w.to_dict())
+    shared = await _share_drain(ctx, w.url, True)
+    w.drain_shared = shared
+    return web.json_response({**w.to_dict(), "shared": shared})
+
+
+async def _share_drain(ctx: RouterContext, url: str, drained: bool) -> bool:
+    """Tell the other routers through Redis; False without Redis or while it is unreachable (this
+    router's own drain holds regardless; the operator repeats it on the others, or once Redis is back)."""
+    if ctx.state is None:
+        return False
+    try:
+        await ctx.state.publish_drain(url, drained)
+        return True
+    except (RedisError, OSError) as exc:
+        log.warning("event=drain_not_shared url=%s error=%r", url, str(exc)[:200])
+        return False
 
 
 async def prewarm_worker(request: web.Request) -> web.Response:

@@ -61,6 +61,7 @@ class Worker:
     models: tuple[str, ...] = ()
     breaker: Breaker = field(default_factory=Breaker)
     admin_drain: bool = False
+    drain_shared: bool = False  # the admin drain is in Redis (published here or adopted from there)
     last_ok: float = 0.0
     last_error: str = ""
     vanished_at: float | None = None  # when it left its discovery source (Redis grace)
@@ -177,6 +178,7 @@ class WorkerRegistry:
     def undrain(self, w: Worker) -> None:
         """Cancel an admin drain: the worker joins again at its next good probe."""
         w.admin_drain = False
+        w.drain_shared = False
         if w.state in (DRAINING, DRAINED):
             self._set_state(w, JOINING)
 

@@ -51,6 +51,7 @@ READ_COUNT = 1000
 SNAPSHOT_SLICE = 5000  # index entries copied between two yields to the event loop
 BACKOFF_S = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
 REDIS_SOURCE = "redis"
+DRAINS_TTL_S = 7 * 24 * 3600  # an admin drain nobody renewed or cancelled for a week is forgotten
 
 
 class RedisState:
@@ -285,7 +286,33 @@ class RedisState:
                 self.registry.remove(w.url)
         for report in reports:
             self.balancer.apply_report(report, now)
+        await self.sync_drains()
         await self.sync_config()
+
+    async def sync_drains(self) -> None:
+        """Drain the workers another router drained (admin API); undrain those it undrained."""
+        assert self._client is not None
+        drained = {_text(url) for url in await self._client.hkeys(self.keys.drains)}
+        for w in self.registry.all():
+            if w.url in drained:
+                if not w.admin_drain:
+                    log.info("event=worker_drain_adopted url=%s worker_id=%s", w.url, w.worker_id)
+                    self.registry.drain(w.url)
+                w.drain_shared = True
+            elif w.admin_drain and w.drain_shared:
+                log.info("event=worker_undrain_adopted url=%s worker_id=%s", w.url, w.worker_id)
+                self.registry.undrain(w)
+
+    async def publish_drain(self, url: str, drained: bool) -> None:
+        """Share an admin drain (or its end) with every router (raises ``RedisError`` if Redis is gone)."""
+        assert self._client is not None
+        if drained:
+            async with self._client.pipeline(transaction=True) as pipe:
+                pipe.hset(self.keys.drains, url, repr(time.time()))
+                pipe.expire(self.keys.drains, DRAINS_TTL_S)
+                await pipe.execute()
+        else:
+            await self._client.hdel(self.keys.drains, url)
 
     async def sync_config(self) -> None:
         """Adopt the shared runtime config if another router changed it since we last looked."""

@@ -176,3 +176,29 @@ async def test_shutdown_ends_even_when_redis_py_swallows_the_cancellation(redis_
     # (or the closing flag) ended the loop.
     assert swallowed == [True]
     assert all(t.done() for t in state._tasks)
+
+
+async def test_a_drain_asked_of_one_router_drains_the_worker_on_every_router(redis_server_url, redis_prefix):
+    argv = ("--redis", redis_server_url, "--redis-prefix", redis_prefix, "--registry-interval", "0.1",
+            "--admin-token", "s3cret", "--health-interval", "0.2")
+    async with scripted_workers("w1", "w2") as (w1, w2):
+        static = ("--worker", w1.url, "--worker", w2.url)
+        async with running_router(*argv, *static) as (a, url_a), running_router(*argv, *static) as (b, url_b):
+            await wait_until(lambda: sorted(a.balancer.routable()) == sorted(b.balancer.routable()) == ["w1", "w2"],
+                             what="both workers on both routers")
+            async with aiohttp.ClientSession() as http:
+                async with http.post(url_a + "/admin/workers/w1/drain", headers=ADMIN) as resp:
+                    body = await resp.json()
+                    assert resp.status == 200 and body["shared"] is True
+                # Router b drains it too: no new work there (a static worker is then removed when idle).
+                await wait_until(lambda: b.balancer.routable() == ["w2"], what="router b to drain w1")
+                for _ in range(4):
+                    async with http.post(url_b + "/v1/completions", json=BODY) as resp:
+                        assert resp.headers["X-Prefixlb-Worker"] == "w2"
+                # Adding its URL again through either router ends the drain everywhere.
+                async with http.post(url_b + "/admin/workers", json={"url": w1.url}, headers=ADMIN) as resp:
+                    assert resp.status == 201 and (await resp.json())["shared"] is True
+                await wait_until(lambda: "w1" in b.balancer.routable(), what="w1 back on router b")
+    client = redis.Redis.from_url(redis_server_url)
+    assert client.hlen(RedisKeys(redis_prefix).drains) == 0
+    client.close()
