@@ -230,6 +230,9 @@ class Proxy:
                 excluded.add(worker_id)
                 failure = exc
                 continue
+            except BaseException:  # a client disconnect (cancellation) or a bug: release the booking
+                self.balancer.finish(booking, time.time())
+                raise
             if preq.stream and upstream.status == 200:
                 return await self._stream(request, preq, booking, upstream, first)
             return self._complete(booking, upstream, first)

@@ -28,7 +28,11 @@ USAGE = {"prompt_tokens": 40, "completion_tokens": 2, "total_tokens": 42,
 
 @dataclass
 class ScriptedWorker:
-    """A worker whose answers the test scripts: ``mode`` is ``ok``, ``gated`` or ``error``."""
+    """A worker whose answers the test scripts: ``mode`` is ``ok``, ``gated``, ``held`` or ``error``.
+
+    ``gated`` holds a stream back after its first event, ``held`` holds any answer back before its
+    first byte, both until ``gate`` is set.
+    """
 
     worker_id: str
     model: str = "m"
@@ -66,6 +70,12 @@ class ScriptedWorker:
         headers = {"X-Prefixlb-Worker-Id": self.worker_id}
         if self.mode == "error":
             return web.json_response({"error": {"message": "boom"}}, status=503, headers=headers)
+        if self.mode == "held":
+            try:
+                await self.gate.wait()
+            except asyncio.CancelledError:
+                self.disconnected.set()
+                raise
         if not body.get("stream"):
             return web.json_response({"id": "c1", "object": "text_completion", "model": self.model,
                                       "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}],

@@ -79,6 +79,23 @@ async def test_a_client_disconnect_cancels_the_request_on_the_worker():
         await wait_until(lambda: ctx.balancer.board.get("w1").in_system == 0, what="in-flight released")
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_client_disconnect_before_the_first_byte_releases_the_workers_in_flight_count(stream):
+    async with scripted_workers("w1") as (worker,), running_router("--worker", worker.url) as (ctx, url):
+        worker.mode = "held"  # no byte until the gate opens: the router waits for its first byte
+        await _ready(ctx, 1)
+        http = aiohttp.ClientSession()
+        sent = asyncio.ensure_future(http.post(url + "/v1/completions", json={**BODY, "stream": stream}))
+        await wait_until(lambda: len(worker.bodies) == 1, what="the request to reach the worker")
+        assert ctx.balancer.board.get("w1").in_system == 1
+        sent.cancel()  # the client gives up before the first byte
+        await http.close()
+        await wait_until(worker.disconnected.is_set, what="the worker to see the disconnect")
+        await wait_until(lambda: ctx.proxy.admission.inflight == 0, what="the admission slot released")
+        await wait_until(lambda: ctx.balancer.board.get("w1").in_system == 0, what="in-flight released")
+        assert not ctx.balancer.board.get("w1").tickets
+
+
 async def test_a_failing_worker_is_retried_on_another_before_the_first_byte():
     async with scripted_workers("w1", "w2") as workers, \
             running_router(*[a for w in workers for a in ("--worker", w.url)]) as (ctx, url):
