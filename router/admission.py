@@ -115,8 +115,12 @@ class Admission:
         self.queued_bytes += size
         self.stats.queued += 1
         try:
-            await asyncio.wait_for(waiter.future, timeout)  # returns if woken even at the deadline
-        except asyncio.TimeoutError:
+            # Not wait_for: on Python 3.11 it swallows a cancel that arrives as the waiter is woken.
+            async with asyncio.timeout(timeout):
+                await waiter.future
+        except TimeoutError:
+            if waiter.future.done() and not waiter.future.cancelled():
+                return  # woken at the deadline: it takes its turn
             self._discard(waiter)
             self.stats.rejected_timeout += 1
             raise Overloaded(_timeout_message(self.queue_timeout_s), "queue_timeout") from None

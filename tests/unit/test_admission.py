@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -86,4 +87,34 @@ async def test_a_woken_request_that_goes_away_passes_its_turn_on():
     except asyncio.CancelledError:
         pass
     await asyncio.wait_for(second, 1)  # either way the slot was not lost
+    assert (adm.inflight, len(adm)) == (1, 0)
+
+
+async def test_a_request_cancelled_as_it_is_woken_stays_cancelled():
+    # Python 3.11's wait_for returns the result of a future that completed in the same loop turn
+    # as the cancel, swallowing it: the disconnected client's request went on to a worker.
+    adm = Admission(max_inflight=1, max_queue=8, queue_timeout_s=10)
+    await _enter(adm)
+    first = asyncio.create_task(_enter(adm))
+    second = asyncio.create_task(_enter(adm))
+    while len(adm) < 2:
+        await asyncio.sleep(0)
+    adm.leave()  # wakes `first` ...
+    first.cancel()  # ... whose client disconnects before it runs
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    await asyncio.wait_for(second, 1)  # the turn went on to the next in line
+    assert (adm.inflight, len(adm), adm.queued_bytes) == (1, 0, 0)
+
+
+async def test_a_request_woken_at_its_deadline_takes_its_turn():
+    adm = Admission(max_inflight=1, max_queue=8, queue_timeout_s=0.05)
+    await _enter(adm)
+    waiting = asyncio.create_task(_enter(adm))
+    while len(adm) < 1:
+        await asyncio.sleep(0)
+    loop = asyncio.get_running_loop()
+    loop.call_at(loop.time() + 0.04, adm.leave)  # the wake, just before the deadline ...
+    time.sleep(0.2)  # ... and the timeout run in the same loop turn, before the waiter does
+    await waiting  # woken: it is not refused (and the slot is not lost)
     assert (adm.inflight, len(adm)) == (1, 0)
