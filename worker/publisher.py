@@ -149,6 +149,8 @@ class RedisPublisher:
                     next_heartbeat = now + self.heartbeat_interval
                 while self._queue:
                     await self._flush(client)
+                    if not self._stopping and time.monotonic() >= next_heartbeat:
+                        break  # events that never stop coming must not starve the heartbeat
                 if not self.stats.connected:
                     log.info("event=redis_connected worker=%s url=%s", self.info.worker_id, self.url)
                 self.stats.connected = True

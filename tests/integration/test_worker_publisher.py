@@ -1,0 +1,91 @@
+"""The worker's RedisPublisher against a real Redis: heartbeats keep the registration alive even
+while KV events never stop coming."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from urllib.parse import urlparse
+
+import redis.asyncio as aioredis
+
+from protocol.keys import RedisKeys
+from protocol.messages import LoadReport, WorkerInfo
+from worker.publisher import RedisPublisher
+
+
+@contextlib.asynccontextmanager
+async def delaying_proxy(redis_url: str, delay: float):
+    """A TCP proxy in front of Redis whose replies arrive ``delay`` seconds late (a distant Redis)."""
+    target = urlparse(redis_url)
+
+    async def pipe(reader, writer, lag):
+        try:
+            while data := await reader.read(65536):
+                if lag:
+                    await asyncio.sleep(lag)
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+    tasks: set[asyncio.Task] = set()
+
+    async def handle(client_r, client_w):
+        server_r, server_w = await asyncio.open_connection(target.hostname, target.port)
+        for t in (asyncio.create_task(pipe(client_r, server_w, 0)),
+                  asyncio.create_task(pipe(server_r, client_w, delay))):
+            tasks.add(t)
+            t.add_done_callback(tasks.discard)
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"redis://127.0.0.1:{port}{target.path or '/0'}"
+    finally:
+        server.close()
+        for t in list(tasks):
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _info(worker_id: str) -> WorkerInfo:
+    return WorkerInfo(worker_id=worker_id, url="http://127.0.0.1:1", model="m", block_size=16, chunk_size=128,
+                      capacity_tokens=1024, max_num_seqs=8, status="ready", simulated=True)
+
+
+async def test_a_steady_stream_of_kv_events_does_not_starve_the_heartbeat(redis_server_url, redis_prefix):
+    # Redis 5 ms away and one KV event every 2 ms (a busy worker): the queue is never empty after
+    # a flush, yet the registration (TTL 1 s) must be refreshed every heartbeat (0.1 s).
+    keys = RedisKeys(redis_prefix)
+    async with delaying_proxy(redis_server_url, 0.005) as url:
+        pub = RedisPublisher(url, keys, _info("w1"), lambda: LoadReport(worker_id="w1"),
+                             heartbeat_interval=0.1, ttl=1.0)
+        pub.start()
+        stop = asyncio.Event()
+
+        async def produce():
+            i = 0
+            while not stop.is_set():
+                i += 1
+                pub.publish("stored", [i])
+                await asyncio.sleep(0.002)
+
+        producer = asyncio.create_task(produce())
+        try:
+            await asyncio.sleep(2.0)
+            assert pub.stats.published > 0
+            assert pub.stats.heartbeats >= 5, pub.stats
+            rds = aioredis.Redis.from_url(redis_server_url)
+            try:
+                assert await rds.exists(keys.worker("w1")), "the registration expired"
+                report = LoadReport.from_json(await rds.get(keys.load("w1")))
+                assert time.time() - report.ts < 0.5
+            finally:
+                await rds.aclose()
+        finally:
+            stop.set()
+            await producer
+            await pub.stop()
