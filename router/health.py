@@ -65,6 +65,7 @@ class HealthChecker:
 
     async def close(self) -> None:
         """Stop every probe loop and close the session."""
+        session, self._session = self._session, None  # no new probe loop from here on (see _start)
         tasks = list(self._tasks.values())
         self._tasks.clear()
         for t in tasks:
@@ -72,8 +73,8 @@ class HealthChecker:
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
-        if self._session is not None:
-            await self._session.close()
+        if session is not None:
+            await session.close()
 
     async def probe(self, w: Worker) -> None:
         """Probe ``w`` once and report the outcome to the registry."""

@@ -270,3 +270,15 @@ async def test_a_session_header_keeps_a_conversation_on_its_ring_position():
                                      headers={"X-Session-Id": "conversation-42"}) as resp:
                     placed.add((resp.headers["X-Prefixlb-Worker"], resp.headers["X-Prefixlb-Route-Reason"]))
         assert len(placed) == 1 and next(iter(placed))[1] == "session"
+
+
+async def test_a_worker_that_joins_after_the_health_checker_stopped_gets_no_probe_loop():
+    # On shutdown the checker stops before the Redis tasks, whose registry sync can still add a
+    # worker: its probe loop must not start (it would outlive the router, probing on a closed session).
+    async with scripted_workers("w1", "w2") as (w1, w2), \
+            running_router("--worker", w1.url, "--health-interval", "0.05") as (ctx, url):
+        await _ready(ctx, 1)
+        await ctx.health.close()
+        ctx.registry.add(w2.url, "redis", "w2")
+        await asyncio.sleep(0.2)
+        assert [t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith("probe ")] == []
