@@ -151,7 +151,8 @@ class Prewarmer:
         return True
 
     async def close(self) -> None:
-        """Cancel pre-warming in progress."""
+        """Cancel pre-warming in progress (and start none from now on)."""
+        self.enabled = False
         for task in list(self._tasks):
             task.cancel()
         for task in list(self._tasks):

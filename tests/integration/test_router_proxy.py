@@ -282,3 +282,20 @@ async def test_a_worker_that_joins_after_the_health_checker_stopped_gets_no_prob
         ctx.registry.add(w2.url, "redis", "w2")
         await asyncio.sleep(0.2)
         assert [t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith("probe ")] == []
+
+
+async def test_a_worker_that_joins_after_pre_warming_stopped_is_not_pre_warmed():
+    # On shutdown pre-warming stops before the health checker, whose probes can still admit a
+    # joining worker: no pre-warm task may start then (nothing would cancel or await it).
+    async with scripted_workers("w1", "w2") as (w1, w2), \
+            running_router("--worker", w1.url, "--prewarm-top", "4", "--health-interval", "0.05") as (ctx, url):
+        await _ready(ctx, 1)
+        async with aiohttp.ClientSession() as http:
+            async with http.post(url + "/v1/completions", json=BODY) as resp:
+                assert resp.status == 200
+        assert ctx.prewarmer.hot.top(1, time.time())  # a hot prefix to pre-warm with
+        await ctx.prewarmer.close()
+        ctx.registry.add(w2.url, "admin")
+        await _ready(ctx, 2)
+        await asyncio.sleep(0.1)
+        assert (w2.bodies, len(ctx.prewarmer._tasks)) == ([], 0)
