@@ -110,8 +110,11 @@ class RedisPublisher:
             try:
                 await asyncio.wait_for(asyncio.shield(self._task), flush_timeout)
             except asyncio.TimeoutError:
-                self._task.cancel()
-                await asyncio.gather(self._task, return_exceptions=True)
+                # Cancel until it ends: redis-py can swallow the CancelledError of a command and
+                # return normally, and the flush goes on while in-flight requests add events.
+                while not self._task.done():
+                    self._task.cancel()
+                    await asyncio.wait({self._task}, timeout=0.1)
         try:
             client = await self._connect()
             await asyncio.wait_for(self._deregister(client), flush_timeout)

@@ -89,3 +89,52 @@ async def test_a_steady_stream_of_kv_events_does_not_starve_the_heartbeat(redis_
             stop.set()
             await producer
             await pub.stop()
+
+
+async def test_stop_ends_even_when_redis_py_swallows_the_cancellation(redis_server_url, redis_prefix, monkeypatch):
+    # drain_and_stop stops the publisher while in-flight requests still produce KV events. The
+    # flush outlasts flush_timeout, stop() cancels the task, and redis-py can swallow that
+    # CancelledError (about 1 command in 150) and return normally: one cancel() then left stop()
+    # flushing a queue that never empties for as long as the requests ran.
+    from redis.asyncio.client import Pipeline
+
+    real_execute = Pipeline.execute
+    swallowed = []
+
+    async def execute(self, *args, **kwargs):
+        try:
+            return await real_execute(self, *args, **kwargs)
+        except asyncio.CancelledError:
+            if swallowed:
+                raise
+            swallowed.append(True)
+            asyncio.current_task().uncancel()
+            return []  # what redis-py did: the command "returned", the cancellation is gone
+
+    monkeypatch.setattr(Pipeline, "execute", execute)
+    keys = RedisKeys(redis_prefix)
+    async with delaying_proxy(redis_server_url, 0.005) as url:
+        pub = RedisPublisher(url, keys, _info("w2"), lambda: LoadReport(worker_id="w2"), heartbeat_interval=0.1)
+        pub.start()
+        stop = asyncio.Event()
+
+        async def produce():
+            i = 0
+            while not stop.is_set():
+                i += 1
+                pub.publish("stored", [i])
+                await asyncio.sleep(0.002)
+
+        producer = asyncio.create_task(produce())
+        try:
+            await asyncio.sleep(0.3)
+            started = time.monotonic()
+            await asyncio.wait_for(pub.stop(flush_timeout=0.5), 5.0)
+            assert time.monotonic() - started < 2.0
+            assert swallowed == [True]
+            assert pub._task.done()
+        finally:
+            stop.set()
+            await producer
+            if not pub._task.done():
+                pub._task.cancel()
