@@ -80,6 +80,9 @@ class AsyncLLMEngine:
         self.start()
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
+        if self._dead is not None:  # died since the check above: its farewell missed this queue
+            del self._queues[request_id]
+            raise EngineDeadError("the engine loop has stopped") from self._dead
         self._post(("add", request_id, list(prompt_token_ids), params, namespace, time.monotonic()))
         finished = False
         try:

@@ -118,3 +118,37 @@ async def test_a_shut_down_engine_refuses_new_requests_instead_of_hanging(engine
     assert not engine.is_running
     with pytest.raises(EngineDeadError):
         await collect(engine, "b", [1, 2, 3], greedy(1))
+
+
+class DyingEngine(LLMEngine):
+    """An engine whose thread dies (a bug in the engine itself) while a request is being admitted."""
+
+    die = False
+    async_engine: AsyncLLMEngine | None = None
+
+    def has_unfinished_requests(self) -> bool:
+        if self.die:
+            raise RuntimeError("scheduler bug")
+        return super().has_unfinished_requests()
+
+    def validate_request(self, prompt_token_ids, params) -> None:
+        super().validate_request(prompt_token_ids, params)
+        if self.async_engine is not None and not self.die:
+            # The engine thread dies between generate()'s liveness check and its registration
+            # (a thread switch there is all it takes).
+            self.die = True
+            self.async_engine._wakeup.set()
+            self.async_engine._thread.join(5.0)
+
+
+async def test_a_request_admitted_while_the_engine_thread_dies_fails_instead_of_hanging():
+    inner = DyingEngine(EngineConfig(model=None, num_kv_blocks=64, block_size=4), runner=SlotMemoryRunner(64, 4))
+    engine = AsyncLLMEngine(inner)
+    engine.start()
+    inner.async_engine = engine
+    try:
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(collect(engine, "a", [1, 2, 3], greedy(3)), 5.0)
+        assert not engine.is_running
+    finally:
+        await engine.shutdown()
