@@ -166,9 +166,13 @@ class RedisPublisher:
                     await asyncio.wait_for(self._wake.wait(), timeout)
                 except asyncio.TimeoutError:
                     pass
-            except (RedisError, OSError) as exc:
+            except Exception as exc:  # noqa: BLE001 - the heartbeat must outlive any one failure
                 self.stats.failures += 1
-                if self.stats.connected:
+                if not isinstance(exc, (RedisError, OSError)):
+                    # A bug (in a load report, a message, redis-py): logged loudly, retried, since a
+                    # dead publisher would silently take a healthy worker out of every registry.
+                    log.exception("event=publisher_step_failed worker=%s", self.info.worker_id)
+                elif self.stats.connected:
                     log.warning("event=redis_lost worker=%s error=%r", self.info.worker_id, exc)
                 self.stats.connected = False
                 await self._drop_client()

@@ -138,3 +138,27 @@ async def test_stop_ends_even_when_redis_py_swallows_the_cancellation(redis_serv
             await producer
             if not pub._task.done():
                 pub._task.cancel()
+
+
+async def test_a_failing_load_report_does_not_stop_the_heartbeats_for_good(redis_server_url, redis_prefix):
+    # Anything but a Redis error used to end the publisher's task silently: no more heartbeats, and
+    # every router dropped a healthy worker when its registration expired.
+    keys = RedisKeys(redis_prefix)
+    calls = []
+
+    def load() -> LoadReport:
+        calls.append(1)
+        if len(calls) == 2:
+            raise ValueError("a bug in one load report")
+        return LoadReport(worker_id="w3")
+
+    pub = RedisPublisher(redis_server_url, keys, _info("w3"), load, heartbeat_interval=0.05, max_backoff=0.1)
+    pub.start()
+    try:
+        deadline = time.monotonic() + 5.0
+        while pub.stats.heartbeats < 4 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert pub.stats.heartbeats >= 4 and pub.stats.failures == 1, pub.stats
+        assert not pub._task.done()
+    finally:
+        await pub.stop()
