@@ -222,7 +222,9 @@ async def start(ctx: RouterContext) -> None:
 async def stop(ctx: RouterContext) -> None:
     """Stop everything :func:`start` started."""
     if ctx.discovery is not None:
-        ctx.discovery.stop()
+        # The watch ends only at its next event or server timeout: wait for its (daemon) thread
+        # off the event loop, so in-flight requests and the Redis shutdown are not held up.
+        await asyncio.get_running_loop().run_in_executor(None, ctx.discovery.stop)
     if ctx.maintenance is not None:
         ctx.maintenance.cancel()
         with contextlib.suppress(asyncio.CancelledError):
