@@ -134,6 +134,7 @@ class Proxy:
         self._session: aiohttp.ClientSession | None = None
         self._guards: dict[str, set] = {}
         registry.on_unavailable.append(self.abort_worker)
+        registry.on_removed.append(self._forget)
 
     async def start(self) -> None:
         """Open the pooled session to the workers."""
@@ -165,6 +166,13 @@ class Proxy:
                 count += 1
         log.warning("event=worker_requests_aborted worker=%s requests=%d", worker_id, count)
         return count
+
+    def _forget(self, w: Any) -> None:
+        """A worker left the registry: drop its (empty) guard set, so ids of pods long gone
+        (Kubernetes replaces them under new names) do not pile up. Attempts still running keep
+        their set, and abort_worker no longer reaches them, as for any removed worker."""
+        if w.worker_id is not None and not self._guards.get(w.worker_id):
+            self._guards.pop(w.worker_id, None)
 
     def _guard(self, worker_id: str) -> _Guard:
         guards = self._guards.get(worker_id)

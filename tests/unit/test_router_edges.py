@@ -126,3 +126,19 @@ def test_admin_calls_without_the_right_bearer_token_are_refused(header, token, s
 def test_the_right_bearer_token_passes():
     check_token("Bearer s3cret", "s3cret")
     check_token("bearer s3cret", "s3cret")
+
+
+async def test_the_proxy_forgets_the_guards_of_workers_that_left():
+    # Kubernetes replaces pods under new names: per-worker state must not pile up forever.
+    from router.balancer import Balancer
+    from router.metrics import RouterMetrics
+    from router.proxy import Proxy
+    from router.registry import WorkerRegistry
+
+    registry = WorkerRegistry(Balancer())
+    proxy = Proxy(Balancer(), registry, RouterMetrics(), 1.0, 1.0, 1)
+    for i in range(50):
+        registry.add(f"http://127.0.0.1:{9000 + i}", "admin", f"pod-{i}")
+        proxy._guard(f"pod-{i}")
+        registry.remove(f"pod-{i}")
+    assert proxy._guards == {}
