@@ -297,10 +297,12 @@ class Balancer:
         prompt = booking.prompt
         worker_id = booking.decision.worker_id
         self.observe_prompt_tokens(prompt.ratio_key, prompt.num_bytes, prompt_tokens)
-        if cached is None:
-            return
         w = self.board.get(worker_id)
-        block = w.block_size if w is not None else 16
+        if cached is None or w is None:
+            # w None: the worker left while this request ran; what it had cached left with it (a
+            # worker re-added under the same id, e.g. a restarted pod, starts with no entries).
+            return
+        block = w.block_size
         chunk_tokens = max(1e-9, self.chunk_size * self.tokens_per_byte(prompt.ratio_key))
         covered = min(len(prompt.hashes), int(cached // chunk_tokens))
         has_events = worker_id in self._event_sources

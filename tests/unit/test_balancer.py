@@ -270,3 +270,16 @@ def test_new_sessions_sharing_a_system_prompt_one_worker_holds_spread_past_its_f
         placed.append(d.worker_id)
     assert placed[:2] == ["w1", "w1"] and "w1" not in placed[2:5]
     assert {w: b.board.get(w).in_system for w in WORKERS} == {"w1": 2, "w2": 2, "w3": 2, "w4": 2}
+
+
+def test_a_request_finishing_after_its_worker_left_teaches_the_index_nothing():
+    # A restarted pod comes back under the same id with an empty cache: the usage of a request
+    # that finished on its previous life must not leave "cached" entries for it.
+    b = make()
+    prompt = key(DOC)
+    decision = b.decide(prompt, 0.0)
+    booking = b.dispatch(decision, prompt, 0.0)
+    b.remove_worker(decision.worker_id)
+    b.finish(booking, 1.0, usage=(prompt.num_bytes, prompt.num_bytes - 100))
+    b.add_worker(decision.worker_id, block_size=16)
+    assert b.index.match(prompt.hashes, 1.0).get(decision.worker_id, 0) == 0
