@@ -51,6 +51,15 @@ async def delaying_proxy(redis_url: str, delay: float):
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def steady_events(pub: RedisPublisher, stop: asyncio.Event) -> None:
+    """One KV event every 2 ms (a busy worker) until ``stop`` is set."""
+    i = 0
+    while not stop.is_set():
+        i += 1
+        pub.publish("stored", [i])
+        await asyncio.sleep(0.002)
+
+
 def _info(worker_id: str) -> WorkerInfo:
     return WorkerInfo(worker_id=worker_id, url="http://127.0.0.1:1", model="m", block_size=16, chunk_size=128,
                       capacity_tokens=1024, max_num_seqs=8, status="ready", simulated=True)
@@ -65,15 +74,7 @@ async def test_a_steady_stream_of_kv_events_does_not_starve_the_heartbeat(redis_
                              heartbeat_interval=0.1, ttl=1.0)
         pub.start()
         stop = asyncio.Event()
-
-        async def produce():
-            i = 0
-            while not stop.is_set():
-                i += 1
-                pub.publish("stored", [i])
-                await asyncio.sleep(0.002)
-
-        producer = asyncio.create_task(produce())
+        producer = asyncio.create_task(steady_events(pub, stop))
         try:
             await asyncio.sleep(2.0)
             assert pub.stats.published > 0
@@ -117,15 +118,7 @@ async def test_stop_ends_even_when_redis_py_swallows_the_cancellation(redis_serv
         pub = RedisPublisher(url, keys, _info("w2"), lambda: LoadReport(worker_id="w2"), heartbeat_interval=0.1)
         pub.start()
         stop = asyncio.Event()
-
-        async def produce():
-            i = 0
-            while not stop.is_set():
-                i += 1
-                pub.publish("stored", [i])
-                await asyncio.sleep(0.002)
-
-        producer = asyncio.create_task(produce())
+        producer = asyncio.create_task(steady_events(pub, stop))
         try:
             await asyncio.sleep(0.3)
             started = time.monotonic()
