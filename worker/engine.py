@@ -55,6 +55,9 @@ class LLMEngine:
             self.max_model_len = self.model_config.max_model_len
         else:
             self.max_model_len = self.capacity_tokens
+        if not config.enable_chunked_prefill:
+            # A prompt (or a preempted request's recompute) must fit one step's token budget.
+            self.max_model_len = min(self.max_model_len, config.max_num_batched_tokens)
         if self.model_config is not None and self.max_model_len > self.model_config.max_position_embeddings:
             raise ValueError("max_model_len exceeds the model's max_position_embeddings")
         eos = self.model_config.eos_token_ids if self.model_config else []

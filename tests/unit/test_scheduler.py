@@ -241,3 +241,17 @@ def test_any_workload_in_a_small_pool_gives_reference_outputs_and_exact_accounti
             # Complete, unless the request filled the whole pool (context limit).
             assert len(got) == len(want) or finals[rid].num_prompt_tokens + len(got) == num_blocks * 4
     assert_idle_accounting(engine)
+
+
+def test_without_chunked_prefill_a_prompt_over_the_token_budget_is_rejected_not_queued_forever():
+    # One step can never compute more than max_num_batched_tokens tokens; without chunking
+    # such a prompt (or a preempted request's recompute) would wait at the head forever.
+    engine, _ = make_engine(num_blocks=16, max_tokens_per_step=8, enable_chunked_prefill=False)
+    with pytest.raises(PromptTooLongError):
+        engine.add_request("a", list(range(20)), greedy(2))
+    engine.add_request("b", list(range(5)), greedy(10))
+    tokens, finals = run_all(engine)
+    # Generation stops where a recompute would no longer fit one step.
+    assert tokens["b"] == reference_continuation(list(range(5)), 3)
+    assert finals["b"].finish_reason == "length"
+    assert_idle_accounting(engine)
