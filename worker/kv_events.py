@@ -14,7 +14,8 @@ proportional otherwise). A chunk whose block is not a *full* prompt block is not
 engine never caches partial blocks, so the router must not be told that prefix is held.
 
 When the engine reports a block stored, its chunks are announced ``stored``; when evicted,
-``removed``; on a cache reset, ``cleared``. The table from block hash to chunk hashes is
+``removed`` (the entry stays, so a later recompute is announced again); on a cache reset,
+``cleared``. The table from block hash to chunk hashes is
 bounded (least recently registered entries go first): a forgotten entry only means its later
 eviction goes unannounced, which the router's TTL and cached-token feedback correct.
 """
@@ -153,8 +154,10 @@ class KVEventMapper:
             elif isinstance(event, BlockRemoved):
                 hashes = []
                 for block in event.block_hashes:
-                    entry = self._blocks.pop(block, None)
+                    # Kept (not stored): a request registered earlier may compute the block again.
+                    entry = self._blocks.get(block)
                     if entry is not None:
+                        entry.stored = False
                         hashes.extend(entry.chunks)
                 if hashes:
                     out.append(ChunkEvent(KV_REMOVED, hashes))
