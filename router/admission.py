@@ -4,7 +4,11 @@ A request waits here when it cannot be sent now: the router already has ``max_in
 requests in flight (global limit), or every candidate worker is at its own hard limit
 (``NoCapacity`` from the policy). It waits in a FIFO queue, bounded in count (``max_queue``)
 and in body bytes (``max_queue_bytes``), for at most ``queue_timeout_s``; every finished
-request wakes the first waiter, which tries again. A request that finds the queue full, or
+request wakes the first waiter of each kind -- the first waiting for a global slot and the first
+that holds one and waits for a worker -- which try again: a finished request frees both, and a
+waiter of one kind cannot use what the other needs (a request for another model's worker, or one
+that already holds its global slot). Only requests waiting for a global slot keep a new arrival
+from taking a free one (first come, first served). A request that finds the queue full, or
 whose wait times out, is refused with :class:`Overloaded` (429 + ``Retry-After``) -- so
 overload costs bounded memory and a bounded wait, never an unbounded backlog.
 
@@ -34,6 +38,7 @@ class Overloaded(OpenAIError):
 class _Waiter:
     future: asyncio.Future
     size: int
+    holds_slot: bool = False  # waits for a worker, not for a global slot
 
 
 @dataclass(slots=True)
@@ -59,6 +64,7 @@ class Admission:
         self.queued_bytes = 0
         self.stats = AdmissionStats()
         self._waiters: deque[_Waiter] = deque()
+        self._slot_waiters = 0  # queued waiters without a global slot
 
     def __len__(self) -> int:
         """Requests waiting in the queue now."""
@@ -72,7 +78,7 @@ class Admission:
         """Take a global in-flight slot if one is free (and nobody queued first); True if taken."""
         if self.max_inflight > 0 and self.inflight >= self.max_inflight:
             return False
-        if self._waiters and not woken:
+        if self._slot_waiters and not woken:
             return False  # first come, first served
         self.inflight += 1
         return True
@@ -83,19 +89,27 @@ class Admission:
         self.notify()
 
     def notify(self) -> None:
-        """Capacity may have freed up (a request finished, a worker came back): wake one waiter."""
-        while self._waiters:
+        """Capacity may have freed up (a request finished, a worker came back): wake the first
+        waiter of each kind (one for a global slot, one for a worker)."""
+        woke: set[bool] = set()
+        skipped: list[_Waiter] = []
+        while self._waiters and len(woke) < 2:
             waiter = self._waiters.popleft()
-            self.queued_bytes -= waiter.size
+            if not waiter.future.done() and waiter.holds_slot in woke:
+                skipped.append(waiter)
+                continue
+            self._unqueued(waiter)
             if not waiter.future.done():
                 waiter.future.set_result(None)
-                return
+                woke.add(waiter.holds_slot)
+        self._waiters.extendleft(reversed(skipped))
 
-    async def wait(self, size: int, deadline: float, front: bool = False) -> None:
+    async def wait(self, size: int, deadline: float, front: bool = False, holds_slot: bool = False) -> None:
         """Wait for :meth:`notify` in the queue; raises :class:`Overloaded` if full or at ``deadline``.
 
         ``front``: a request that was woken but still found no capacity keeps its place at the
-        head of the queue instead of going to the back.
+        head of the queue instead of going to the back. ``holds_slot``: the request already holds
+        a global slot and waits for a worker.
         """
         loop = asyncio.get_running_loop()
         timeout = deadline - loop.time()
@@ -107,12 +121,14 @@ class Admission:
         if timeout <= 0:
             self.stats.rejected_timeout += 1
             raise Overloaded(_timeout_message(self.queue_timeout_s), "queue_timeout")
-        waiter = _Waiter(loop.create_future(), size)
+        waiter = _Waiter(loop.create_future(), size, holds_slot)
         if front:
             self._waiters.appendleft(waiter)
         else:
             self._waiters.append(waiter)
         self.queued_bytes += size
+        if not holds_slot:
+            self._slot_waiters += 1
         self.stats.queued += 1
         try:
             # Not wait_for: on Python 3.11 it swallows a cancel that arrives as the waiter is woken.
@@ -136,7 +152,12 @@ class Admission:
             self._waiters.remove(waiter)
         except ValueError:
             return  # already popped by notify()
+        self._unqueued(waiter)
+
+    def _unqueued(self, waiter: _Waiter) -> None:
         self.queued_bytes -= waiter.size
+        if not waiter.holds_slot:
+            self._slot_waiters -= 1
 
 
 def _timeout_message(timeout_s: float) -> str:

@@ -259,7 +259,7 @@ class Proxy:
                                   "no_workers") from exc
             waited = time.perf_counter()
             try:
-                await self.admission.wait(len(preq.body), deadline, front=queued)
+                await self.admission.wait(len(preq.body), deadline, front=queued, holds_slot=True)
             except Overloaded as over:
                 self.metrics.overloaded.labels(over.reason).inc()
                 raise

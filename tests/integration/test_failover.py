@@ -253,3 +253,59 @@ async def test_the_global_in_flight_limit_queues_and_a_full_queue_refuses_at_onc
                 w.gate.set()
             await held.read()
             held.release()
+
+
+async def test_a_request_waiting_for_a_busy_worker_does_not_hold_back_a_request_for_an_idle_one():
+    # A request for model m waits for m's only worker; one for model b, whose worker is idle, must
+    # not queue behind it (it needs no global slot anyone is waiting for).
+    async with faulty_workers("w1", "w2") as (w1, w2):
+        w1.mode, w2.model = "gated", "b"
+        async with running_router(*_args([w1, w2], "--max-inflight-per-worker", "1",
+                                          "--queue-timeout", "3")) as (ctx, url):
+            await _ready(ctx, 2)
+            async with aiohttp.ClientSession() as http:
+                held = await http.post(url + "/v1/completions", json=STREAM)
+                await asyncio.wait_for(held.content.readuntil(b"\n\n"), 10)
+                waiting = asyncio.create_task(http.post(url + "/v1/completions", json=BODY))
+                await wait_until(lambda: len(ctx.proxy.admission) == 1, what="the model-m request to queue")
+                # at once, well within the queue timeout of the request it queued behind
+                resp = await asyncio.wait_for(http.post(url + "/v1/completions", json={**BODY, "model": "b"}), 2)
+                assert (resp.status, resp.headers.get("X-Prefixlb-Worker")) == (200, "w2")
+                resp.release()
+                w1.gate.set()
+                await held.read()
+                held.release()
+                resp = await asyncio.wait_for(waiting, 10)
+                assert resp.status == 200
+                resp.release()
+
+
+async def test_a_freed_global_slot_is_not_lost_to_a_waiter_that_already_holds_one():
+    # Two global slots: one held on w1 (model m), one by a model-m request waiting for w1. A model-b
+    # request waits for a global slot. When the first finishes, the m waiter takes w1 -- and the
+    # global slot it freed must go to the b request, not wait for the next request to finish.
+    async with faulty_workers("w1", "w2") as (w1, w2):
+        w1.mode, w2.model = "gated", "b"
+        async with running_router(*_args([w1, w2], "--max-inflight", "2", "--max-inflight-per-worker", "1",
+                                          "--queue-timeout", "3")) as (ctx, url):
+            await _ready(ctx, 2)
+            adm = ctx.proxy.admission
+            async with aiohttp.ClientSession() as http:
+                held = await http.post(url + "/v1/completions", json=STREAM)
+                await asyncio.wait_for(held.content.readuntil(b"\n\n"), 10)
+                second = asyncio.create_task(http.post(url + "/v1/completions", json=STREAM))
+                await wait_until(lambda: (adm.inflight, len(adm)) == (2, 1), what="the m request to wait for w1")
+                other = asyncio.create_task(http.post(url + "/v1/completions", json={**BODY, "model": "b"}))
+                await wait_until(lambda: len(adm) == 2, what="the b request to wait for a global slot")
+                w1.gate.set()
+                w1.gate.clear()  # the first stream ends; the second is held on w1
+                await held.read()
+                held.release()
+                resp = await asyncio.wait_for(other, 2)  # well within its queue timeout
+                assert (resp.status, resp.headers.get("X-Prefixlb-Worker")) == (200, "w2")
+                resp.release()
+                resp = await asyncio.wait_for(second, 10)
+                assert resp.status == 200
+                w1.gate.set()
+                await resp.read()
+                resp.release()

@@ -100,3 +100,30 @@ async def test_a_request_woken_at_its_deadline_takes_its_turn():
     time.sleep(0.2)  # ... and the timeout run in the same loop turn, before the waiter does
     await waiting  # woken: it is not refused (and the slot is not lost)
     assert (adm.inflight, len(adm)) == (1, 0)
+
+
+async def test_a_finished_request_wakes_the_first_waiter_of_each_kind():
+    # One waiter already holds a global slot and waits for a worker; one waits for a global slot.
+    # A finished request frees both: neither wake may be spent on the waiter that cannot use it.
+    adm = Admission(max_inflight=2, max_queue=8, queue_timeout_s=10)
+    await _enter(adm)
+    await _enter(adm)  # this one waits for a worker, holding its slot
+    loop = asyncio.get_running_loop()
+    for_worker = asyncio.create_task(adm.wait(10, adm.deadline(loop.time()), holds_slot=True))
+    for_slot = asyncio.create_task(_enter(adm))
+    while len(adm) < 2:
+        await asyncio.sleep(0)
+    adm.leave()
+    await asyncio.wait_for(asyncio.gather(for_worker, for_slot), 1)
+    assert (adm.inflight, len(adm), adm.queued_bytes) == (2, 0, 0)
+
+
+async def test_waiters_for_a_worker_do_not_hold_back_a_new_request_with_a_free_slot():
+    adm = Admission(max_inflight=4, max_queue=8, queue_timeout_s=10)
+    await _enter(adm)
+    loop = asyncio.get_running_loop()
+    for_worker = asyncio.create_task(adm.wait(10, adm.deadline(loop.time()), holds_slot=True))
+    while len(adm) < 1:
+        await asyncio.sleep(0)
+    assert adm.try_enter()  # it already holds its slot; a new arrival takes a free one at once
+    for_worker.cancel()
