@@ -124,7 +124,8 @@ class Scheduler:
             budget -= n
 
         batch = ScheduledBatch(finished_request_ids=self._finished_ids, block_size=self.block_size)
-        self._finished_ids = []
+        if scheduled:  # an empty batch never reaches the runner: keep the ids for the next one
+            self._finished_ids = []
         for seq, n in scheduled:
             start = seq.num_computed_tokens
             end = start + n

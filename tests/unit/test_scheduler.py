@@ -255,3 +255,19 @@ def test_without_chunked_prefill_a_prompt_over_the_token_budget_is_rejected_not_
     assert tokens["b"] == reference_continuation(list(range(5)), 3)
     assert finals["b"].finish_reason == "length"
     assert_idle_accounting(engine)
+
+
+def test_requests_finished_before_the_engine_goes_idle_still_reach_the_runner():
+    # The runner drops per-request state (sampling generators) on finished_request_ids; ids
+    # finished in the last busy step must not be lost with the empty batch that follows.
+    engine, runner = make_engine()
+    engine.add_request("a", list(range(6)), greedy(1))
+    run_all(engine)
+    engine.abort_request("missing")
+    engine.add_request("b", list(range(6)), greedy(1))
+    engine.abort_request("b")
+    run_all(engine)
+    engine.add_request("c", list(range(6)), greedy(1))
+    run_all(engine)
+    told = [rid for b in runner.batches for rid in b.finished_request_ids]
+    assert sorted(told) == ["a", "b"]
