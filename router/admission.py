@@ -93,7 +93,11 @@ class Admission:
         waiter of each kind (one for a global slot, one for a worker)."""
         woke: set[bool] = set()
         skipped: list[_Waiter] = []
-        while self._waiters and len(woke) < 2:
+        # The kinds queued now: no scan past the first waiter when every waiter is of one kind.
+        kinds = {False} if self._slot_waiters else set()
+        if len(self._waiters) > self._slot_waiters:
+            kinds.add(True)
+        while self._waiters and not kinds <= woke:
             waiter = self._waiters.popleft()
             if not waiter.future.done() and waiter.holds_slot in woke:
                 skipped.append(waiter)
