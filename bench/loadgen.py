@@ -155,7 +155,10 @@ async def run_load(workload: Workload, cfg: LoadConfig, text: TextSource | None 
         start = time.perf_counter()
 
         async def one(i: int) -> None:
-            records[i] = await send_one(session, cfg, specs[i], text.prompt(specs[i]), start)
+            rec = await send_one(session, cfg, specs[i], text.prompt(specs[i]), start)
+            if not cfg.concurrency:  # open loop: how far the generator fell behind the schedule
+                rec.send_lag_ms = (rec.sent_s - specs[i].arrival_s / cfg.speedup) * 1000.0
+            records[i] = rec
             bar.update(1)
 
         if cfg.concurrency:
@@ -179,6 +182,7 @@ async def run_load(workload: Workload, cfg: LoadConfig, text: TextSource | None 
             await asyncio.gather(*tasks)
     bar.close()
     done = [r for r in records if r is not None]
-    log.info("event=bench_done workload=%s requests=%d errors=%d", workload.name, len(done),
-             sum(1 for r in done if not r.ok))
+    lags = [r.send_lag_ms for r in done if r.send_lag_ms is not None]
+    log.info("event=bench_done workload=%s requests=%d errors=%d max_send_lag_ms=%.1f", workload.name, len(done),
+             sum(1 for r in done if not r.ok), max(lags, default=0.0))
     return done

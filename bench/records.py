@@ -27,6 +27,7 @@ class RequestRecord:
     completion_tokens: int = 0
     error: str | None = None
     session: str | None = None
+    send_lag_ms: float | None = None  # open loop: how late it left after its scheduled arrival
 
     @property
     def ok(self) -> bool:

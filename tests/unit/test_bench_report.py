@@ -52,3 +52,52 @@ def test_stream_parser_reports_an_error_chunk():
     s = _Stream()
     s.feed(b'data: {"error":{"message":"worker died","type":"server_error"}}\n', 1.0)
     assert s.error == "worker died" and s.usage is None
+
+
+def test_the_load_generator_reports_how_far_it_fell_behind_the_arrival_schedule():
+    import asyncio
+    import json
+    import time
+
+    from aiohttp import web
+
+    from bench.loadgen import LoadConfig, run_load
+    from bench.stats import summarize
+    from bench.workloads import RequestSpec, TextSource, Workload
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"system_fingerprint":"w0","choices":[{"text":"a"}],"usage":null}\n\n')
+        await resp.write(b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1,'
+                         b'"prompt_tokens_details":{"cached_tokens":0}}}\n\n')
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    class SlowText(TextSource):  # the generator's own work (here: rendering) outlasts the gaps
+        def prompt(self, spec: RequestSpec) -> str:
+            time.sleep(0.05)
+            return "ab"
+
+    async def main() -> list:
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            wl = Workload("t", [RequestSpec(i, i * 0.001, ((i, 2),), 1) for i in range(6)])
+            cfg = LoadConfig(target=f"http://127.0.0.1:{port}", model="m", time_scale=2.0, progress=False)
+            return await run_load(wl, cfg, SlowText())
+        finally:
+            await runner.cleanup()
+
+    records = asyncio.run(main())
+    assert all(r.ok for r in records)
+    # The last request was due at 5 ms but could leave only after six 50 ms renderings (x2 time scale).
+    assert records[-1].send_lag_ms > 400
+    lag = summarize(records)["send_lag_ms"]
+    assert lag["p99"] > 400 and json.dumps(lag)
