@@ -33,6 +33,9 @@ from bench.report import table, write_run
 from bench.sim.fleet import FleetConfig, simulate
 from bench.sim.router import SimRouterConfig
 from bench.workloads import TextSource, Workload, load_workload
+from worker.simulator.latency import LatencyModel
+from worker.simulator.profiles import get_gpu, get_model
+from worker.worker_config import WorkerConfig
 
 DEFAULT_TRACE = "/work/shared/traces/mooncake_synthetic_trace.jsonl"
 GOALS = ("hit rate >= 0.95 x upper bound", "p99 TTFT <= 0.5 x sglang-router's (HTTP)",
@@ -108,6 +111,12 @@ def sim_scenario(plan: ReportPlan, name: str, workload: Workload, workers: int, 
     return out
 
 
+def _default_sim_tp() -> int:
+    """The tensor-parallel degree a ``prefixlb worker --simulate`` picks with its default profiles."""
+    defaults = {f.name: f.default for f in dataclasses.fields(WorkerConfig)}
+    return LatencyModel(get_gpu(defaults["gpu"]), get_model(defaults["sim_model"])).tp
+
+
 def http_run(plan: ReportPlan, label: str, workload: Workload, kind: str, policy: str,
              affinity: float | None = None) -> tuple[str, dict, dict]:
     """One HTTP replay on a fresh fleet; ``kind`` is ``prefixlb``, a peer's name, or ``upper``."""
@@ -117,7 +126,10 @@ def http_run(plan: ReportPlan, label: str, workload: Workload, kind: str, policy
     with cluster(run_dir / "logs") as c:
         if kind == "upper":
             n = plan.workers
-            extra = ["--sim-tp", str(n), "--max-num-seqs", str(256 * n), "--max-num-batched-tokens", str(8192 * n)]
+            # One worker with the fleet's compute: n times the tensor-parallel degree each worker
+            # picks by default (the workers' default GPU and model profiles).
+            tp = _default_sim_tp() * n
+            extra = ["--sim-tp", str(tp), "--max-num-seqs", str(256 * n), "--max-num-batched-tokens", str(8192 * n)]
             workers = c.workers(1, plan.time_scale, kv_blocks=plan.kv_blocks * n, extra=extra)
             target = workers[0].url
         else:
