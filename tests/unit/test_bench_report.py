@@ -105,7 +105,7 @@ def test_the_load_generator_reports_how_far_it_fell_behind_the_arrival_schedule(
 
 def test_the_http_upper_bound_takes_the_default_workers_tensor_parallel_degree():
     # "one worker with the fleet's compute" = n x the TP a simulated worker picks by default
-    # (1 for Llama-3-8B on an H100-80G, 2 for Llama-3-70B on 8 x ... would differ).
+    # (1 for Llama-3-8B on an H100-80G; a larger default model would need more).
     from bench.routing_report import _default_sim_tp
     from worker.simulator.latency import LatencyModel
     from worker.simulator.profiles import get_gpu, get_model
