@@ -9,7 +9,7 @@ from typing import Sequence
 
 from bench import plots
 from bench.records import RequestRecord, read_jsonl, write_jsonl
-from bench.stats import summarize
+from bench.stats import send_lag, summarize
 
 TABLE_HEADER = ("| run | requests | errors | hit rate | TTFT p50 (s) | p90 (s) | p99 (s) | "
                 "req/s | out tok/s | imbalance |")
@@ -52,6 +52,10 @@ def write_run(out: str | Path, records: Sequence[RequestRecord], meta: dict,
     for w, row in summary["per_worker"].items():
         rate = row["cached_tokens"] / row["prompt_tokens"] if row["prompt_tokens"] else 0.0
         lines.append(f"| {w} | {row['requests']} | {row['prompt_tokens']} | {row['cached_tokens']} | {rate:.3f} |")
+    lag = send_lag(records)
+    if lag is not None:
+        lines += ["", f"Load generator behind its schedule (send lag, ms): p50 {lag['p50']:.1f}, "
+                      f"p99 {lag['p99']:.1f}, mean {lag['mean']:.1f}"]
     errors = [r.error for r in records if not r.ok]
     if errors:
         lines += ["", f"First errors ({len(errors)} in all):", ""] + [f"- `{e}`" for e in errors[:5]]

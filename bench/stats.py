@@ -12,9 +12,11 @@ Definitions (all over successful requests unless stated):
 - ``imbalance`` = max ÷ mean of per-worker *uncached* prompt tokens (the prefill work each
   worker did); workers of the fleet that got nothing count as zero when the fleet is known.
   1.0 is perfect balance; 1.0 also when nobody prefilled anything.
-- ``send_lag_ms``: over all requests of an open-loop HTTP replay, how late each left after its
-  scheduled arrival (workload time): the load generator falling behind the trace shows here
-  (TTFT counts from the actual send). ``{p50, p90, p99, mean}``, NaN when nothing was scheduled.
+
+Not in the summary (its keys are a contract other tools read): :func:`send_lag` -- over an
+open-loop HTTP replay, how late each request left after its scheduled arrival (workload time);
+the load generator falling behind the trace shows there (TTFT counts from the actual send).
+``report.md`` prints it.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from typing import Iterable, Sequence
 from bench.records import RequestRecord
 
 SUMMARY_KEYS = ("requests", "errors", "prompt_tokens", "cached_tokens", "hit_rate", "ttft_ms",
-                "e2e_ms", "req_per_s", "output_tokens_per_s", "per_worker", "imbalance", "send_lag_ms")
+                "e2e_ms", "req_per_s", "output_tokens_per_s", "per_worker", "imbalance")
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -82,5 +84,10 @@ def summarize(records: Sequence[RequestRecord], fleet: Iterable[str] = ()) -> di
         "output_tokens_per_s": sum(r.completion_tokens for r in ok) / makespan if makespan > 0 else 0.0,
         "per_worker": dict(sorted(per_worker.items())),
         "imbalance": imbalance(v["prompt_tokens"] - v["cached_tokens"] for v in per_worker.values()),
-        "send_lag_ms": distribution([r.send_lag_ms for r in records if r.send_lag_ms is not None]),
     }
+
+
+def send_lag(records: Sequence[RequestRecord]) -> dict[str, float] | None:
+    """``{p50, p90, p99, mean}`` of the open-loop send lag (ms), None when nothing was scheduled."""
+    lags = [r.send_lag_ms for r in records if r.send_lag_ms is not None]
+    return distribution(lags) if lags else None

@@ -62,7 +62,7 @@ def test_the_load_generator_reports_how_far_it_fell_behind_the_arrival_schedule(
     from aiohttp import web
 
     from bench.loadgen import LoadConfig, run_load
-    from bench.stats import summarize
+    from bench.stats import SUMMARY_KEYS, send_lag, summarize
     from bench.workloads import RequestSpec, TextSource, Workload
 
     async def completions(request: web.Request) -> web.StreamResponse:
@@ -99,8 +99,9 @@ def test_the_load_generator_reports_how_far_it_fell_behind_the_arrival_schedule(
     assert all(r.ok for r in records)
     # The last request was due at 5 ms but could leave only after six 50 ms renderings (x2 time scale).
     assert records[-1].send_lag_ms > 400
-    lag = summarize(records)["send_lag_ms"]
+    lag = send_lag(records)
     assert lag["p99"] > 400 and json.dumps(lag)
+    assert tuple(summarize(records)) == SUMMARY_KEYS  # summary.json keeps exactly its contract's keys
 
 
 def test_the_http_upper_bound_takes_the_default_workers_tensor_parallel_degree():
