@@ -158,9 +158,10 @@ async def test_shutdown_ends_even_when_redis_py_swallows_the_cancellation(redis_
     async with running_router("--redis", redis_server_url, "--redis-prefix", redis_prefix) as (ctx, url):
         state = ctx.state
         real_read = state.read_events
-        swallowed = []
+        swallowed, entered = [], []
 
         async def read_events(block_ms):
+            entered.append(True)
             try:
                 return await real_read(block_ms)
             except asyncio.CancelledError:
@@ -171,7 +172,8 @@ async def test_shutdown_ends_even_when_redis_py_swallows_the_cancellation(redis_
                 return 0  # what redis-py did: the command "returned", the cancellation is gone
 
         state.read_events = read_events
-        await asyncio.sleep(1.3)  # the events loop is blocked in XREAD (1 s blocks), through the wrapper
+        # The events loop blocks in XREAD for 1 s at a time: wait until it is in one through the wrapper.
+        await wait_until(lambda: entered, timeout=10, what="the events loop to read through the wrapper")
     # Leaving the block stopped the router: the first cancellation was swallowed, the second one
     # (or the closing flag) ended the loop.
     assert swallowed == [True]
