@@ -162,14 +162,8 @@ class AggregateWorker(SimWorker):
                 if req.dseq < 0:
                     continue  # preempted for an earlier one
                 self._sync(req)
-                ok = self._allocate(req, 1)
-                while not ok:
-                    victim = running[-1]
-                    self._preempt(victim)
-                    preempted = True
-                    if victim is req:
-                        break
-                    ok = self._allocate(req, 1)
+                ok, evicted = self._allocate_or_preempt(req, 1)
+                preempted |= evicted
                 if not ok:
                     stopped = True  # the reference's scheduling loop ends at this request
                     break
@@ -181,14 +175,8 @@ class AggregateWorker(SimWorker):
         while not stopped and i < len(running) and budget > 0:
             req = running[i]
             n = min(req.num_tokens - req.num_computed, budget)
-            ok = self._allocate(req, n)
-            while not ok:
-                victim = running[-1]
-                self._preempt(victim)
-                preempted = True
-                if victim is req:
-                    break
-                ok = self._allocate(req, n)
+            ok, evicted = self._allocate_or_preempt(req, n)
+            preempted |= evicted
             if not ok:
                 break
             scheduled.append((req, n))
@@ -197,35 +185,8 @@ class AggregateWorker(SimWorker):
             i += 1
         if not preempted:
             self._admit(scheduled, shape, budget)
-        self._decodes = decodes
-        self._prefill_pairs = shape.attention_pairs
-        shape.tokens += decodes
-        shape.sampled += decodes
-        shape.attention_pairs += decode_ctx
-        shape.kv_tokens += decode_ctx
-        shape.num_seqs += decodes
+        self._add_decodes(shape, decodes, decode_ctx)
         return scheduled, shape
-
-    def _admit(self, scheduled: list[tuple[SimRequest, int]], shape: StepShape, budget: int) -> None:
-        """Strict-FCFS admission of waiting requests (the reference's rule, unchanged)."""
-        running = self.running
-        while self.waiting and budget > 0 and len(running) < self.max_num_seqs:
-            req = self.waiting[0]
-            hits, hit_tokens = self._cached_prefix(req)
-            n = min(req.num_tokens - hit_tokens, budget)
-            if not self._allocate(req, n, hits):
-                break
-            self.waiting.popleft()
-            self.queued_prefill_tokens -= hit_tokens
-            req.prefill_left -= hit_tokens
-            req.num_computed = hit_tokens
-            if req.cached_tokens < 0:
-                req.cached_tokens = hit_tokens
-            running.append(req)
-            self.running_tokens += req.num_tokens
-            scheduled.append((req, n))
-            shape.add_prefill(n, hit_tokens, samples=hit_tokens + n == req.num_tokens)
-            budget -= n
 
     def _apply_step(self, now: float) -> None:
         self._tick += 1  # every decoding request got its token

@@ -322,14 +322,8 @@ class SimWorker:
                     i += 1
                     continue
             n = min(req.num_tokens - req.num_computed, budget)
-            ok = self._allocate(req, n)
-            while not ok:
-                victim = running[-1]
-                self._preempt(victim)
-                preempted = True
-                if victim is req:
-                    break
-                ok = self._allocate(req, n)
+            ok, evicted = self._allocate_or_preempt(req, n)
+            preempted |= evicted
             if not ok:
                 break
             scheduled.append((req, n))
@@ -340,7 +334,27 @@ class SimWorker:
                 shape.add_prefill(n, req.num_computed, samples=req.num_computed + n == req.num_tokens)
             budget -= n
             i += 1
-        while self.waiting and budget > 0 and not preempted and len(running) < self.max_num_seqs:
+        if not preempted:
+            self._admit(scheduled, shape, budget)
+        self._add_decodes(shape, decodes, decode_ctx)
+        return scheduled, shape
+
+    def _allocate_or_preempt(self, req: SimRequest, n: int) -> tuple[bool, bool]:
+        """Blocks for ``n`` more tokens of ``req``, preempting the most recently admitted running
+        requests (``req`` itself last) until they fit: (allocated, preempted any)."""
+        preempted = False
+        while not self._allocate(req, n):
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted = True
+            if victim is req:
+                return False, True
+        return True, preempted
+
+    def _admit(self, scheduled: list[tuple[SimRequest, int]], shape: StepShape, budget: int) -> None:
+        """Strict-FCFS admission of waiting requests into what is left of the step's budget."""
+        running = self.running
+        while self.waiting and budget > 0 and len(running) < self.max_num_seqs:
             req = self.waiting[0]
             hits, hit_tokens = self._cached_prefix(req)
             n = min(req.num_tokens - hit_tokens, budget)
@@ -357,7 +371,9 @@ class SimWorker:
             scheduled.append((req, n))
             shape.add_prefill(n, hit_tokens, samples=hit_tokens + n == req.num_tokens)
             budget -= n
-        # Decodes summed at once: what ``StepShape.add_decode`` adds, per decoding sequence.
+
+    def _add_decodes(self, shape: StepShape, decodes: int, decode_ctx: int) -> None:
+        """Decodes summed at once: what ``StepShape.add_decode`` adds, per decoding sequence."""
         self._decodes = decodes
         self._prefill_pairs = shape.attention_pairs
         shape.tokens += decodes
@@ -365,7 +381,6 @@ class SimWorker:
         shape.attention_pairs += decode_ctx
         shape.kv_tokens += decode_ctx
         shape.num_seqs += decodes
-        return scheduled, shape
 
     def _apply_step(self, now: float) -> None:
         pool = self.pool
