@@ -33,10 +33,10 @@ from typing import Callable
 
 from bench.stats import percentile
 from protocol import KVEvent
-from router.balancer import Balancer
-from router.load import LoadBoard, SpeedProfile
-from router.policy import PolicyConfig
-from router.prompt import PromptKey, prompt_key
+from router.routing.balancer import Balancer
+from router.routing.load import LoadBoard, SpeedProfile
+from router.routing.policy import PolicyConfig
+from router.routing.prompt import PromptKey, prompt_key
 
 CHUNK = 128
 WORDS = ("contract", "tenant", "premises", "repair", "clause", "party", "notice", "term", "rent",

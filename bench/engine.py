@@ -43,9 +43,9 @@ import tempfile
 import time
 from typing import Any
 
-from worker.config import EngineConfig
-from worker.engine import LLMEngine
-from worker.sampling_params import SamplingParams
+from worker.engine.config import EngineConfig
+from worker.engine.llm_engine import LLMEngine
+from worker.engine.sampling_params import SamplingParams
 
 
 def _greedy(n: int) -> SamplingParams:
@@ -93,9 +93,9 @@ def bench_throughput(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from transformers import LlamaForCausalLM
 
-    from worker.model.loader import torch_dtype
-    from worker.model.presets import PRESETS, build_preset
-    from worker.model.save import save_pretrained
+    from worker.engine.model.loader import torch_dtype
+    from worker.engine.model.presets import PRESETS, build_preset
+    from worker.engine.model.save import save_pretrained
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -182,14 +182,14 @@ class _NoComputeRunner:
     """A runner that computes nothing (token 65 for every sample): isolates engine bookkeeping."""
 
     def execute(self, batch):  # noqa: ANN001 - the ModelRunner protocol
-        from worker.runner import RunnerOutput
+        from worker.engine.runner import RunnerOutput
 
         return RunnerOutput({s.request_id: 65 for s in batch.seqs if s.samples})
 
 
 def bench_cache_overhead(args: argparse.Namespace) -> dict[str, Any]:
     """Benchmark 3: prefix caching on vs off with distinct prompts (0% hits)."""
-    from worker.kv_cache import BlockRemoved
+    from worker.engine.kv_cache import BlockRemoved
 
     n_req, prompt_len, out_len = 32, 256, 8
     # A pool of ~1.5 rounds of KV: cached blocks are evicted every round with caching on.

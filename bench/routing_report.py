@@ -35,7 +35,7 @@ from bench.sim.router import SimRouterConfig
 from bench.workloads import TextSource, Workload, load_workload
 from worker.simulator.latency import LatencyModel
 from worker.simulator.profiles import get_gpu, get_model
-from worker.worker_config import WorkerConfig
+from worker.server.config import ServerConfig
 
 DEFAULT_TRACE = "/work/shared/traces/mooncake_synthetic_trace.jsonl"
 GOALS = ("hit rate >= 0.95 x upper bound", "p99 TTFT <= 0.5 x sglang-router's (HTTP)",
@@ -113,7 +113,7 @@ def sim_scenario(plan: ReportPlan, name: str, workload: Workload, workers: int, 
 
 def _default_sim_tp() -> int:
     """The tensor-parallel degree a ``prefixlb worker --simulate`` picks with its default profiles."""
-    defaults = {f.name: f.default for f in dataclasses.fields(WorkerConfig)}
+    defaults = {f.name: f.default for f in dataclasses.fields(ServerConfig)}
     return LatencyModel(get_gpu(defaults["gpu"]), get_model(defaults["sim_model"])).tp
 
 

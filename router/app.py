@@ -13,8 +13,8 @@ import signal
 from aiohttp import web
 
 from protocol.http_errors import OpenAIErrorServer
-from router.admin import admin_app
-from router.api import CONTEXT, add_routes, error_middleware
+from router.http.admin import admin_app
+from router.http.api import CONTEXT, add_routes, error_middleware
 from router.config import RouterConfig
 from router.context import RouterContext, build_context, start, stop
 

@@ -11,8 +11,8 @@ from typing import Mapping, Sequence
 
 from protocol import ATTENTION_KNEE_TOKENS, DEFAULT_CHUNK_SIZE, DEFAULT_PREFIX
 from protocol.settings import load_settings, setting
-from router.load import SpeedProfile
-from router.policy import POLICIES, PolicyConfig
+from router.routing.load import SpeedProfile
+from router.routing.policy import POLICIES, PolicyConfig
 
 ENV_PREFIX = "PREFIXLB_ROUTER_"
 DEFAULT_AFFINITY = 0.8

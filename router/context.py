@@ -16,20 +16,20 @@ from typing import Any, Iterable
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from protocol import RedisKeys
-from router.admission import Admission
-from router.balancer import Balancer
-from router.breaker import BreakerConfig
+from router.http.admission import Admission
+from router.routing.balancer import Balancer
+from router.fleet.breaker import BreakerConfig
 from router.config import RouterConfig
-from router.health import HealthChecker
-from router.index import PrefixIndex
-from router.load import LoadBoard
+from router.fleet.health import HealthChecker
+from router.routing.index import PrefixIndex
+from router.routing.load import LoadBoard
 from router.metrics import RouterMetrics
-from router.policy import POLICIES
-from router.prewarm import HotPrefixes, Prewarmer
-from router.proxy import Proxy
-from router.registry import ROUTABLE, STATES, InvalidWorkerURL, WorkerRegistry
+from router.routing.policy import POLICIES
+from router.fleet.prewarm import HotPrefixes, Prewarmer
+from router.http.proxy import Proxy
+from router.fleet.registry import ROUTABLE, STATES, InvalidWorkerURL, WorkerRegistry
 from router.state import RedisState
-from router.worker_url import WorkerURLPolicy
+from router.fleet.worker_url import WorkerURLPolicy
 
 log = logging.getLogger("prefixlb.router")
 
@@ -213,8 +213,7 @@ async def start(ctx: RouterContext) -> None:
     ctx.prewarmer.enabled = True
     ctx.maintenance = asyncio.get_running_loop().create_task(_sweep_index(ctx))
     if ctx.config.k8s_selector:
-        from router import k8s_discovery
-
+        from router.fleet import k8s_discovery
         ctx.discovery = k8s_discovery.start(_DiscoverySink(ctx.registry), ctx.config.k8s_selector,
                                             ctx.config.k8s_namespace, ctx.config.k8s_port)
 

@@ -40,9 +40,9 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from protocol import KVEvent, LoadReport, MessageError, RedisKeys, WorkerInfo
-from router.balancer import Balancer
+from router.routing.balancer import Balancer
 from router.metrics import RouterMetrics
-from router.registry import ROUTABLE, WARMING, InvalidWorkerURL, WorkerRegistry
+from router.fleet.registry import ROUTABLE, WARMING, InvalidWorkerURL, WorkerRegistry
 from router.snapshot import SnapshotError, decode, encode
 
 log = logging.getLogger("prefixlb.router.state")

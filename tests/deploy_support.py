@@ -96,9 +96,9 @@ def load_router_config(args: list[str], environ: dict[str, str] | None = None) -
     return load(list(args), environ=environ or {})
 
 
-def load_worker_config(args: list[str], environ: dict[str, str] | None = None) -> Any:
-    """The WorkerConfig ``prefixlb worker <args>`` would run with (the real settings loader)."""
-    from worker.worker_config import load_worker_config as load
+def load_server_config(args: list[str], environ: dict[str, str] | None = None) -> Any:
+    """The ServerConfig ``prefixlb worker <args>`` would run with (the real settings loader)."""
+    from worker.server.config import load_server_config as load
 
     return load(list(args), environ=environ or {})
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import xxhash
 from array import array
 
-from worker.runner import RunnerOutput, ScheduledBatch
+from worker.engine.runner import RunnerOutput, ScheduledBatch
 
 
 def next_token(context: list[int]) -> int:

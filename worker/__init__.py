@@ -1,3 +1,4 @@
-"""One replica: the paged-KV prefix-caching engine (``engine.py``, ``scheduler.py``,
-``kv_cache/``, ``model/``), its HTTP server (``server.py``, ``api/``), the simulated worker
-(``simulator/``) and the KV-event publisher."""
+"""One replica: the paged-KV prefix-caching engine (``engine/``: scheduler, KV cache, model,
+sampler), its HTTP server (``server/``: OpenAI API, probes, metrics, the Redis publisher of load
+reports and KV events) and the simulated engine (``simulator/``: the same engine with a latency
+model in place of the model)."""

@@ -11,7 +11,7 @@ cross, ``t_i`` is one affine function of ``i``. So, in O(1) instead of ``k`` ste
 
 - the run's duration is two arithmetic series (:func:`decode_run_time`);
 - the replica's measured decode step time, an exponential moving average that the engine
-  updates after every step (``worker.stats.SpeedMeter``), follows a linear recurrence on each
+  updates after every step (``worker.engine.stats.SpeedMeter``), follows a linear recurrence on each
   piece, ``e' = (1 - α)·e + α·(A + B·i)``, whose exact solution is
   ``e_i = A + B·(i - 1/α) + (1 - α)^i·(e_0 - A + B/α)`` (:func:`observe_decode_run`; equal to
   folding the steps one by one up to float rounding, and done step by step whenever the meter's
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 
-from worker.stats import SpeedMeter
+from worker.engine.stats import SpeedMeter
 
 
 def _pieces(c0: float, c1: float, m0: float, m1: float, k: int) -> tuple[tuple[float, float, int, int], ...]:

@@ -1,6 +1,6 @@
 """The engine's BlockPool with its never-used blocks made on first use (1,000 replicas start in ~0 s).
 
-``worker.kv_cache.BlockPool`` builds every block object and links it into the free queue up
+``worker.engine.kv_cache.BlockPool`` builds every block object and links it into the free queue up
 front: at 1,000 simulated replicas of ~1,000 blocks each that is a million objects and over a
 second before the first request, most of which no request of a run ever touches. Here the
 pool's code is unchanged; only its free queue keeps the blocks no one has used yet as a
@@ -17,7 +17,7 @@ events as the eager pool (a test drives both with random operations).
 """
 from __future__ import annotations
 
-from worker.kv_cache.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from worker.engine.kv_cache.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 
 
 class _LazyFreeQueue(FreeKVCacheBlockQueue):
@@ -80,7 +80,7 @@ class _LazyFreeQueue(FreeKVCacheBlockQueue):
 
 
 class LazyBlockPool(BlockPool):
-    """:class:`~worker.kv_cache.BlockPool` whose blocks are created when first handed out."""
+    """:class:`~worker.engine.kv_cache.BlockPool` whose blocks are created when first handed out."""
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
         if num_blocks < 1:

@@ -1,4 +1,4 @@
-"""The router as the fleet simulator drives it: the router's own :class:`~router.balancer.Balancer`.
+"""The router as the fleet simulator drives it: the router's own :class:`~router.routing.balancer.Balancer`.
 
 Nothing of the routing decision is re-implemented here. The balancer (prefix index, ring, load
 board, candidate set, policy, optimistic inserts, feedback) is the object the HTTP router
@@ -17,11 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from protocol import KVEvent, LoadReport
-from router.balancer import Balancer, Booking
-from router.index import PrefixIndex
-from router.load import LoadBoard, SpeedProfile
-from router.policy import Decision, NoCapacity, PolicyConfig
-from router.prompt import PromptKey, ring_key_of
+from router.routing.balancer import Balancer, Booking
+from router.routing.index import PrefixIndex
+from router.routing.load import LoadBoard, SpeedProfile
+from router.routing.policy import Decision, NoCapacity, PolicyConfig
+from router.routing.prompt import PromptKey, ring_key_of
 
 from bench.sim.worker import SimRequest, SimWorker
 

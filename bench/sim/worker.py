@@ -1,8 +1,8 @@
 """One simulated replica in virtual time: the engine's scheduling rules, its BlockPool, the latency model.
 
-Fidelity to the engine (``worker/scheduler.py``, ``worker/kv_cache/``):
+Fidelity to the engine (``worker/engine/scheduler.py``, ``worker/engine/kv_cache/``):
 
-- the prefix cache *is* the engine's :class:`~worker.kv_cache.BlockPool` (ref counts, LRU free
+- the prefix cache *is* the engine's :class:`~worker.engine.kv_cache.BlockPool` (ref counts, LRU free
   queue, hash map, KV events), driven with the engine's rules: the longest run of cached
   leading blocks is reused but never the block holding the last token, blocks are registered
   after the step that wrote them, a finished request frees its blocks tail first;
@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from worker.kv_cache import BlockRemoved, BlockStored
-from worker.stats import ATTENTION_KNEE_TOKENS, engine_speed_meter
+from worker.engine.kv_cache import BlockRemoved, BlockStored
+from worker.engine.stats import ATTENTION_KNEE_TOKENS, engine_speed_meter
 from worker.simulator.latency import LatencyModel, StepShape
 from worker.simulator.runner import nominal_speed
 
@@ -105,7 +105,7 @@ class SimWorker:
         self._run: tuple[float, float, float, float, int] | None = None  # (c0, c1, m0, m1, k)
         self.busy_s = 0.0
         self.num_preemptions = 0
-        # Measured speed, as the engine measures it (``worker.stats.SpeedMeter``) and reports it.
+        # Measured speed, as the engine measures it (``worker.engine.stats.SpeedMeter``) and reports it.
         self.speed = engine_speed_meter(*nominal_speed(latency), max_num_batched_tokens)
         # (prefill tokens, decoding sequences, prefill work) of the step in flight (SpeedMeter.observe)
         self._step_work: tuple[int, int, float] = (0, 0, 0.0)
@@ -216,7 +216,7 @@ class SimWorker:
             return None
         self._batch = batch
         prefill = shape.tokens - self._decodes
-        # worker.stats.prefill_work from the shape's sums (n(n+1)/2 vs n^2/2: half a token per chunk)
+        # worker.engine.stats.prefill_work from the shape's sums (n(n+1)/2 vs n^2/2: half a token per chunk)
         self._step_work = (prefill, self._decodes, prefill + self._prefill_pairs / ATTENTION_KNEE_TOKENS)
         self._end = now + self.latency.step_time(shape)
         return self._end

@@ -26,10 +26,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     """Run ``prefixlb model save|info``; 0 on success, 2 on a bad model name or directory."""
     args = _parser().parse_args(argv)
-    from worker.errors import ModelLoadError
-    from worker.model.loader import load_model_config, torch_dtype
-    from worker.model.presets import PRESETS, build_preset
-    from worker.model.save import save_pretrained
+    from worker.engine.errors import ModelLoadError
+    from worker.engine.model.loader import load_model_config, torch_dtype
+    from worker.engine.model.presets import PRESETS, build_preset
+    from worker.engine.model.save import save_pretrained
 
     try:
         if args.action == "save":

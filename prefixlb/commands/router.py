@@ -31,7 +31,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
     from router.app import serve
-    from router.registry import InvalidWorkerURL
+    from router.fleet.registry import InvalidWorkerURL
 
     try:
         return run_loop(serve(cfg))

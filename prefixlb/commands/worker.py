@@ -7,7 +7,7 @@ import sys
 
 from prefixlb.aio import run as run_loop
 from protocol.settings import SettingsError, build_parser, load_settings
-from worker.worker_config import ENV_PREFIX, WorkerConfig, parse_size
+from worker.server.config import ENV_PREFIX, ServerConfig, parse_size
 
 EXAMPLES = """examples:
   prefixlb worker --model tiny --port 8001
@@ -19,12 +19,12 @@ EXAMPLES = """examples:
 
 def main(argv: list[str]) -> int:
     """Parse settings, run the worker until SIGTERM, return its exit status."""
-    parser = build_parser(WorkerConfig, env_prefix=ENV_PREFIX, prog="prefixlb worker",
+    parser = build_parser(ServerConfig, env_prefix=ENV_PREFIX, prog="prefixlb worker",
                           description=__doc__, epilog=EXAMPLES,
                           formatter_class=argparse.RawDescriptionHelpFormatter)
     args = parser.parse_args(argv)
     try:
-        cfg = load_settings(WorkerConfig, args, env_prefix=ENV_PREFIX)
+        cfg = load_settings(ServerConfig, args, env_prefix=ENV_PREFIX)
         if cfg.kv_memory:
             parse_size(cfg.kv_memory)
     except SettingsError as exc:
@@ -32,8 +32,8 @@ def main(argv: list[str]) -> int:
         return 2
     logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    from worker.errors import ModelLoadError
-    from worker.server import serve
+    from worker.engine.errors import ModelLoadError
+    from worker.server.app import serve
     from worker.simulator.profiles import ProfileError
 
     try:

@@ -23,8 +23,8 @@ import time
 
 import pytest
 
-from router.prompt import prompt_key
-from router.ring import WorkerRing
+from router.routing.prompt import prompt_key
+from router.routing.ring import WorkerRing
 from tests.integration.chaos_cluster import ADMIN, MODEL, LoadGenerator, chaos_cluster, document, metric
 from tests.integration.worker_client import call
 from tests.support import wait_for

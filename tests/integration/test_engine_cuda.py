@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from tests.integration.test_engine_parity import TEXT, assert_exact_accounting, assert_matches_reference, run
-from worker.config import EngineConfig
-from worker.engine import LLMEngine
-from worker.model.presets import build_preset
-from worker.model.save import save_pretrained
-from worker.sampling_params import SamplingParams
+from worker.engine.config import EngineConfig
+from worker.engine.llm_engine import LLMEngine
+from worker.engine.model.presets import build_preset
+from worker.engine.model.save import save_pretrained
+from worker.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

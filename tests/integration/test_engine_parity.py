@@ -12,12 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.config import EngineConfig
-from worker.engine import LLMEngine
-from worker.kv_cache import BlockRemoved
-from worker.model.presets import build_preset
-from worker.model.save import save_pretrained
-from worker.sampling_params import SamplingParams
+from worker.engine.config import EngineConfig
+from worker.engine.llm_engine import LLMEngine
+from worker.engine.kv_cache import BlockRemoved
+from worker.engine.model.presets import build_preset
+from worker.engine.model.save import save_pretrained
+from worker.engine.sampling_params import SamplingParams
 
 ATOL = 2e-4  # fp32; observed max |Δ logprob| is ~2e-5
 TIE_TOL = 1e-3

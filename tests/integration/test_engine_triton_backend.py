@@ -27,9 +27,9 @@ MAX_TOKENS = 6
 def greedy_run(attention_backend: str) -> dict:
     """Run the scenario on the tiny preset; tokens and cached-token counts per prompt."""
     from kernels import triton_decode, triton_extend, triton_kv_write  # noqa: F401 (counted below)
-    from worker.config import EngineConfig
-    from worker.engine import LLMEngine
-    from worker.sampling_params import SamplingParams
+    from worker.engine.config import EngineConfig
+    from worker.engine.llm_engine import LLMEngine
+    from worker.engine.sampling_params import SamplingParams
 
     calls = {"write_kv": 0, "decode": 0, "extend": 0}
     if attention_backend == "triton":

@@ -16,7 +16,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from router.prompt import prompt_key
+from router.routing.prompt import prompt_key
 from tests.integration.router_harness import ScriptedWorker, _event, running_router, wait_until
 from tests.support import free_port
 

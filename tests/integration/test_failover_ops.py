@@ -10,7 +10,7 @@ import aiohttp
 import redis
 
 from protocol import LoadReport, RedisKeys, WorkerInfo
-from router.prompt import prompt_key
+from router.routing.prompt import prompt_key
 from tests.integration.router_harness import running_router, scripted_workers, wait_until
 
 ADMIN = {"Authorization": "Bearer s3cret"}

@@ -12,9 +12,9 @@ import pytest
 import redis
 
 from protocol import KVEvent, RedisKeys
-from router.balancer import Balancer
+from router.routing.balancer import Balancer
 from router.metrics import RouterMetrics
-from router.registry import WorkerRegistry
+from router.fleet.registry import WorkerRegistry
 from router.snapshot import encode
 from router.state import RedisState
 

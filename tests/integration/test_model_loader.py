@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from tests.support import ROOT
-from worker.config import EngineConfig
-from worker.engine import LLMEngine
-from worker.errors import ModelLoadError
-from worker.model.loader import load_model
-from worker.sampling_params import SamplingParams
+from worker.engine.config import EngineConfig
+from worker.engine.llm_engine import LLMEngine
+from worker.engine.errors import ModelLoadError
+from worker.engine.model.loader import load_model
+from worker.engine.sampling_params import SamplingParams
 
 COMMON = dict(vocab_size=258, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,

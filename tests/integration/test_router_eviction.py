@@ -10,7 +10,7 @@ import time
 import aiohttp
 import redis
 
-from router.prompt import prompt_key
+from router.routing.prompt import prompt_key
 from tests.integration.router_harness import running_router, wait_until
 from tests.support import free_port, processes, spawn
 

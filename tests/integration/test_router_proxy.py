@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from protocol import LoadReport
-from router.prompt import prompt_key
+from router.routing.prompt import prompt_key
 from tests.integration.router_harness import USAGE, running_router, scripted_workers, wait_until
 
 PROMPT = "Summarise the following contract. " * 20

@@ -1,7 +1,7 @@
 """The router's shared state through a real Redis: registry, KV-event stream, snapshots, config.
 
 Workers' side of the contract (registry entries, load reports, KV events) is written here with
-the protocol's own messages and key names, exactly as ``worker/publisher.py`` writes them; the
+the protocol's own messages and key names, exactly as ``worker/server/publisher.py`` writes them; the
 cluster tests run real workers publishing for themselves.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import aiohttp
 import redis
 
 from protocol import KVEvent, LoadReport, RedisKeys, WorkerInfo
-from router.prompt import prompt_key
+from router.routing.prompt import prompt_key
 from tests.integration.router_harness import running_router, scripted_workers, wait_until
 from tests.support import free_port
 

@@ -11,7 +11,7 @@ import redis.asyncio as aioredis
 
 from protocol.keys import RedisKeys
 from protocol.messages import LoadReport, WorkerInfo
-from worker.publisher import RedisPublisher
+from worker.server.publisher import RedisPublisher
 
 
 @contextlib.asynccontextmanager

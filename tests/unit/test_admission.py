@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from router.admission import Admission, Overloaded
+from router.http.admission import Admission, Overloaded
 
 
 async def _enter(adm: Admission, size: int = 10) -> None:

@@ -9,13 +9,13 @@ import time
 import pytest
 
 from tests.engine_support import SlotMemoryRunner, reference_continuation
-from worker.async_engine import AsyncLLMEngine
-from worker.config import EngineConfig
-from worker.engine import LLMEngine
-from worker.errors import EngineDeadError, EngineStepError, PromptTooLongError
-from worker.kv_cache import BlockStored
-from worker.runner import RunnerOutput, ScheduledBatch
-from worker.sampling_params import SamplingParams
+from worker.engine.async_engine import AsyncLLMEngine
+from worker.engine.config import EngineConfig
+from worker.engine.llm_engine import LLMEngine
+from worker.engine.errors import EngineDeadError, EngineStepError, PromptTooLongError
+from worker.engine.kv_cache import BlockStored
+from worker.engine.runner import RunnerOutput, ScheduledBatch
+from worker.engine.sampling_params import SamplingParams
 
 
 def greedy(n):

@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 
 from protocol import KVEvent, LoadReport
-from router.balancer import Balancer
-from router.load import LoadBoard, SpeedProfile
-from router.policy import NoCapacity, PolicyConfig, prefill_seconds
-from router.prompt import PromptKey, prompt_key
+from router.routing.balancer import Balancer
+from router.routing.load import LoadBoard, SpeedProfile
+from router.routing.policy import NoCapacity, PolicyConfig, prefill_seconds
+from router.routing.prompt import PromptKey, prompt_key
 
 WORKERS = ["w1", "w2", "w3", "w4"]
 DOC = "".join(f"Clause {i}: the tenant shall keep the premises in good repair. " for i in range(40))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.kv_cache import AllBlocksCleared, BlockPool, BlockRemoved, BlockStored, FreeKVCacheBlockQueue, KVCacheBlock
+from worker.engine.kv_cache import AllBlocksCleared, BlockPool, BlockRemoved, BlockStored, FreeKVCacheBlockQueue, KVCacheBlock
 
 
 def ids(blocks):

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 from protocol import LoadReport
-from router.balancer import Balancer
-from router.breaker import CLOSED, HALF_OPEN, OPEN, Breaker, BreakerConfig
-from router.registry import HEALTHY, RECOVERING, UNHEALTHY, WARMING, WorkerRegistry
+from router.routing.balancer import Balancer
+from router.fleet.breaker import CLOSED, HALF_OPEN, OPEN, Breaker, BreakerConfig
+from router.fleet.registry import HEALTHY, RECOVERING, UNHEALTHY, WARMING, WorkerRegistry
 
 CONFIG = BreakerConfig(failure_threshold=3, cool_down_s=1.0, max_cool_down_s=5.0, half_open_successes=2)
 

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from tests.deploy_support import (
-    COMPOSE_FILE, command_flags, compose_binary, flags_used, load_router_config, load_worker_config,
+    COMPOSE_FILE, command_flags, compose_binary, flags_used, load_router_config, load_server_config,
 )
 from tests.support import ROOT
 
@@ -107,7 +107,7 @@ def test_every_worker_command_uses_flags_prefixlb_worker_accepts(resolved):
     for name, service in _services(resolved, "worker-").items():
         unknown = sorted(set(flags_used(service["command"])) - command_flags("worker"))
         assert unknown == [], f"{name}: flags `prefixlb worker --help` does not list: {unknown}"
-        cfg = load_worker_config(service["command"], environ=service.get("environment") or {})
+        cfg = load_server_config(service["command"], environ=service.get("environment") or {})
         # Routers reach the worker at the URL it advertises: its service name and its port.
         advertised = urlparse(cfg.advertise)
         assert (advertised.hostname, advertised.port) == (name, cfg.port)
@@ -117,7 +117,7 @@ def test_every_worker_command_uses_flags_prefixlb_worker_accepts(resolved):
 
 
 def _configs(resolved: dict, prefix: str) -> dict[str, object]:
-    load = load_router_config if prefix == "router-" else load_worker_config
+    load = load_router_config if prefix == "router-" else load_server_config
     return {name: load(s["command"], environ=s.get("environment") or {})
             for name, s in resolved["services"].items() if name.startswith(prefix)}
 
@@ -139,7 +139,7 @@ def test_operator_environment_reaches_the_routers_and_workers(resolved_with_keys
 
 
 def test_routers_accept_exactly_the_stacks_workers_as_they_register_in_redis(resolved):
-    from router.worker_url import InvalidWorkerURL, WorkerURLPolicy
+    from router.fleet.worker_url import InvalidWorkerURL, WorkerURLPolicy
 
     workers = _configs(resolved["default"], "worker-")
     for name, router in _configs(resolved["default"], "router-").items():
@@ -157,7 +157,7 @@ def test_servers_listen_on_the_port_their_image_health_checks_and_routers_publis
         if name == "redis":
             continue
         component = name.split("-")[0]
-        load = load_router_config if component == "router" else load_worker_config
+        load = load_router_config if component == "router" else load_server_config
         cfg = load(service["command"], environ=service.get("environment") or {})
         # The images' HEALTHCHECK probes PREFIXLB_<COMPONENT>_PORT=8000 (docker/Dockerfile.*).
         assert (cfg.host, cfg.port) == ("0.0.0.0", 8000), name

@@ -90,7 +90,7 @@ def test_dashboard_shows_hit_rate_predictions_ttft_load_decisions_health_and_red
 
 
 def test_workers_by_state_panel_names_every_state_the_router_has():
-    from router.registry import STATES
+    from router.fleet.registry import STATES
 
     panel = _panel("Workers by state")
     assert [t["expr"] for t in panel["targets"]] == ["max by (state) (prefixlb_router_workers)"]
@@ -101,7 +101,7 @@ def test_workers_by_state_panel_names_every_state_the_router_has():
 
 
 def test_workers_out_of_rotation_are_the_states_the_router_does_not_route_to():
-    from router.registry import ROUTABLE
+    from router.fleet.registry import ROUTABLE
 
     [expr] = [t["expr"] for t in _panel("Workers out of rotation")["targets"]]
     [(metric, label, op, value)] = promql_matchers(expr)

@@ -162,16 +162,16 @@ def _imported_distributions(modules: list[str]) -> set[str]:
 
 
 def test_router_image_pins_every_distribution_the_router_imports():
-    # router.k8s_discovery imports the kubernetes client only with --k8s-selector: import it too.
+    # router.fleet.k8s_discovery imports the kubernetes client only with --k8s-selector: import it too.
     used = _imported_distributions(["prefixlb.cli", "prefixlb.commands.router", "router.app",
-                                    "router.k8s_discovery", "kubernetes.client", "kubernetes.watch"])
+                                    "router.fleet.k8s_discovery", "kubernetes.client", "kubernetes.watch"])
     assert "torch" not in used, "the router imports torch: the slim image could not run it"
     missing = sorted(used - set(_requirements("router")))
     assert missing == [], f"imported by the router but not in docker/requirements-router.txt: {missing}"
 
 
 def test_worker_image_pins_every_distribution_the_worker_imports():
-    used = _imported_distributions(["prefixlb.cli", "prefixlb.commands.worker", "worker.server",
+    used = _imported_distributions(["prefixlb.cli", "prefixlb.commands.worker", "worker.server.app",
                                     "worker.simulator.runner"])
     provided = set(_requirements("worker")) | {"torch", "triton"}  # torch from TORCH_INDEX_URL
     missing = sorted(used - provided)
@@ -179,7 +179,7 @@ def test_worker_image_pins_every_distribution_the_worker_imports():
 
 
 OUR_PACKAGES = frozenset({"prefixlb", "protocol", "router", "worker", "kernels", "bench"})
-SERVES = {"router": ["router.app", "router.k8s_discovery"], "worker": ["worker.server", "worker.simulator.runner"]}
+SERVES = {"router": ["router.app", "router.fleet.k8s_discovery"], "worker": ["worker.server.app", "worker.simulator.runner"]}
 
 
 @pytest.mark.parametrize("image", IMAGES)

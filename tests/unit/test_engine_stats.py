@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.stats import SpeedMeter, engine_speed_meter, prefill_work
+from worker.engine.stats import SpeedMeter, engine_speed_meter, prefill_work
 
 
 def test_defaults_are_reported_until_a_step_is_measured():

@@ -17,7 +17,7 @@ import yaml
 
 from tests.deploy_support import (
     CHART, command_flags, container, expand_pod_env, find, flags_used, load_router_config,
-    load_worker_config, render_chart,
+    load_server_config, render_chart,
 )
 from tests.support import ROOT
 
@@ -166,7 +166,7 @@ def test_worker_args_are_flags_prefixlb_worker_accepts(rendered, value_set):
     args = _worker_args(rendered[value_set])
     unknown = sorted(set(flags_used(args)) - command_flags("worker"))
     assert unknown == [], f"flags `prefixlb worker --help` does not list: {unknown}"
-    load_worker_config(args)
+    load_server_config(args)
 
 
 def test_router_knobs_in_values_reach_the_routers_settings():
@@ -209,7 +209,7 @@ def test_failure_handling_knobs_in_values_reach_the_routers_settings():
 
 
 def test_the_routers_body_limit_is_the_workers_body_limit_too():
-    cfg = load_worker_config(_worker_args(render_chart({"router": {"limits": {"maxBodyBytes": 1048576}}})))
+    cfg = load_server_config(_worker_args(render_chart({"router": {"limits": {"maxBodyBytes": 1048576}}})))
     assert cfg.max_body_bytes == 1048576
 
 
@@ -232,7 +232,7 @@ def test_every_worker_knob_in_values_reaches_the_workers_settings():
         "maxNumSeqs": 16, "maxNumBatchedTokens": 4096, "maxModelLen": 8192,
         "attentionBackend": "triton", "logLevel": "warning", "drainTimeoutSeconds": 90,
         "extraArgs": ["--seed=7"]}}
-    cfg = load_worker_config(_worker_args(render_chart(values)))
+    cfg = load_server_config(_worker_args(render_chart(values)))
     assert (cfg.model, cfg.served_model_name, cfg.kv_blocks, cfg.block_size) == ("small", "assistant", 4096, 32)
     assert (cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len) == (16, 4096, 8192)
     assert (cfg.attention_backend, cfg.chunk_size, cfg.log_level) == ("triton", 256, "warning")
@@ -254,7 +254,7 @@ def test_kubernetes_discovery_watches_this_releases_worker_pods():
 def test_routers_and_workers_share_the_bundled_redis_under_one_key_prefix():
     docs = render_chart({"redis": {"keyPrefix": "team-a:"}})
     router = load_router_config(_router_args(docs))
-    worker = load_worker_config(_worker_args(docs))
+    worker = load_server_config(_worker_args(docs))
     service = find(docs, "Service", "-redis")
     expected = f"redis://{service['metadata']['name']}:{service['spec']['ports'][0]['port']}/0"
     assert router.redis == worker.redis == expected
@@ -262,7 +262,7 @@ def test_routers_and_workers_share_the_bundled_redis_under_one_key_prefix():
 
 
 def test_workers_register_under_their_pod_name_and_advertise_their_pod_ip(rendered):
-    cfg = load_worker_config(_worker_args(rendered["defaults"]))
+    cfg = load_server_config(_worker_args(rendered["defaults"]))
     assert cfg.worker_id == "demo-prefixlb-worker-0"
     assert cfg.advertise == "http://10.1.2.3:8000"
     env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"]
@@ -276,7 +276,7 @@ def test_probes_hit_the_port_the_app_listens_on(rendered, component, kind):
     docs = rendered["defaults"]
     c = container(find(docs, kind, f"-{component}"), component)
     args = _router_args(docs) if component == "router" else _worker_args(docs)
-    cfg = load_router_config(args) if component == "router" else load_worker_config(args)
+    cfg = load_router_config(args) if component == "router" else load_server_config(args)
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports == {"http": cfg.port}
     assert cfg.host == "0.0.0.0"
@@ -309,7 +309,7 @@ def test_admin_token_env_variable_is_the_routers_admin_token_setting():
 
 
 def test_worker_allow_list_reaches_the_router_and_admits_the_workers_the_chart_names_itself():
-    from router.worker_url import InvalidWorkerURL, WorkerURLPolicy
+    from router.fleet.worker_url import InvalidWorkerURL, WorkerURLPolicy
 
     values = {"discovery": {"mode": "static"},
               "router": {"workerAllow": ["10.244.0.0/16:8000"], "extraWorkers": ["http://vllm-0.inference.svc:8000"]}}
@@ -365,7 +365,7 @@ def test_worker_api_key_is_generated_once_and_shared_by_routers_and_workers():
     key = router_env["PREFIXLB_ROUTER_WORKER_API_KEY"]
     assert len(key) == 40 and key.isalnum()
     assert load_router_config(_router_args(docs), environ=router_env).worker_api_key == key
-    assert load_worker_config(_worker_args(docs), environ=worker_env).api_keys == [key]
+    assert load_server_config(_worker_args(docs), environ=worker_env).api_keys == [key]
     assert key not in json.dumps(router["spec"]) and key not in json.dumps(worker["spec"])
     # A changed key rolls both sides.
     for workload in (router, worker):
@@ -387,7 +387,7 @@ def test_workers_request_the_configured_gpus_and_run_the_engine_on_cuda(rendered
     docs = rendered["everything-on"]
     c = container(find(docs, "StatefulSet", "-worker"), "worker")
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 2
-    cfg = load_worker_config(_worker_args(docs))
+    cfg = load_server_config(_worker_args(docs))
     assert cfg.device == "cuda"
     assert cfg.model == "/models/llama"
     mounts = {m["name"]: m for m in c["volumeMounts"]}
@@ -400,7 +400,7 @@ def test_simulated_workers_request_no_gpu_and_run_the_latency_model(rendered):
     docs = rendered["simulated-cpu-fleet"]
     c = container(find(docs, "StatefulSet", "-worker"), "worker")
     assert "nvidia.com/gpu" not in c["resources"].get("limits", {})
-    cfg = load_worker_config(_worker_args(docs))
+    cfg = load_server_config(_worker_args(docs))
     assert (cfg.simulate, cfg.gpu, cfg.time_scale) == (True, "H200", 10.0)
     assert find(docs, "StatefulSet", "-worker")["spec"]["replicas"] == 16
 
@@ -408,7 +408,7 @@ def test_simulated_workers_request_no_gpu_and_run_the_latency_model(rendered):
 def test_workers_drain_within_their_termination_grace_period(rendered):
     docs = rendered["defaults"]
     pod = find(docs, "StatefulSet", "-worker")["spec"]["template"]["spec"]
-    cfg = load_worker_config(_worker_args(docs))
+    cfg = load_server_config(_worker_args(docs))
     # SIGTERM -> drain -> exit must finish before the kubelet's SIGKILL.
     assert 0 < cfg.drain_timeout < pod["terminationGracePeriodSeconds"]
 

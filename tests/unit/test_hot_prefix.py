@@ -14,8 +14,8 @@ import pytest
 from bench.sim.fleet import FleetConfig, simulate
 from bench.sim.router import SimRouterConfig
 from bench.workloads.base import RequestSpec, Workload, unit_hashes
-from router.prompt import ring_key_of
-from router.ring import WorkerRing
+from router.routing.prompt import ring_key_of
+from router.routing.ring import WorkerRing
 
 UNIT = 64
 DOC = (1, 4096)  # the hot document: 4,096 tokens every request starts with

@@ -1,7 +1,7 @@
 """PrefixIndex: exact matches per worker, TTLs, KV-event semantics, LRU bound."""
 from __future__ import annotations
 
-from router.index import PrefixIndex
+from router.routing.index import PrefixIndex
 
 CHAIN = [101, 102, 103, 104, 105, 106]  # chain hashes h_1..h_6 of one prompt
 

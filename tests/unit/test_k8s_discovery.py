@@ -1,4 +1,4 @@
-"""Kubernetes worker discovery (router/k8s_discovery.py).
+"""Kubernetes worker discovery (router/fleet/k8s_discovery.py).
 
 The Kubernetes API is something we neither own nor can run here, so its pods endpoint is
 replaced by :class:`FakePodApi`, which speaks the API server's wire format (a PodList JSON
@@ -14,7 +14,7 @@ import json
 import queue
 import threading
 
-from router.k8s_discovery import PodWatcher, PodWorker, pod_worker, start
+from router.fleet.k8s_discovery import PodWatcher, PodWorker, pod_worker, start
 from tests.support import wait_for
 
 SELECTOR = "app.kubernetes.io/component=worker"

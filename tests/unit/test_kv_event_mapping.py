@@ -1,10 +1,10 @@
-"""worker.kv_events: engine block events become exactly the router chunk events they imply."""
+"""worker.server.kv_events: engine block events become exactly the router chunk events they imply."""
 from __future__ import annotations
 
 from protocol import chunk_hashes, namespace_seed
-from worker.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored
-from worker.kv_cache.hashing import hash_block_tokens
-from worker.kv_events import ChunkEvent, KVEventMapper, RequestChunks, chunk_blocks, request_chunks
+from worker.engine.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored
+from worker.engine.kv_cache.hashing import hash_block_tokens
+from worker.server.kv_events import ChunkEvent, KVEventMapper, RequestChunks, chunk_blocks, request_chunks
 
 BOS = 256
 NS = namespace_seed("tiny")

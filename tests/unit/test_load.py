@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from protocol import LoadReport
-from router.load import LoadBoard, SpeedProfile
+from router.routing.load import LoadBoard, SpeedProfile
 
 PROFILE = SpeedProfile(prefill_tokens_per_s=2000.0, decode_step_s=0.02, max_num_batched_tokens=2000,
                        max_num_seqs=4, block_size=16)

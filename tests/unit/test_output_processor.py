@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 from tests.engine_support import ScriptedRunner
-from worker.config import EngineConfig
-from worker.engine import LLMEngine
-from worker.sampling_params import SamplingParams
-from worker.tokenizer import BYTE_EOS_ID
+from worker.engine.config import EngineConfig
+from worker.engine.llm_engine import LLMEngine
+from worker.engine.sampling_params import SamplingParams
+from worker.engine.tokenizer import BYTE_EOS_ID
 
 
 def run(script: list[int], **params):

@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from router.policy import (NOT_ON_RING, Candidate, NoCapacity, PolicyConfig, RouteRequest, choose,
+from router.routing.policy import (NOT_ON_RING, Candidate, NoCapacity, PolicyConfig, RouteRequest, choose,
                            fair_share_wait_s, hash_load_bound, locality_weight, prefill_seconds)
 
 LINEAR = PolicyConfig(attention_knee_tokens=1e18)

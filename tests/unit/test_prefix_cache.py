@@ -5,9 +5,9 @@ from array import array
 
 import xxhash
 
-from worker.kv_cache import BlockStored, KVCacheManager, hash_block_tokens, hash_request_blocks
-from worker.sampling_params import SamplingParams
-from worker.sequence import Sequence
+from worker.engine.kv_cache import BlockStored, KVCacheManager, hash_block_tokens, hash_request_blocks
+from worker.engine.sampling_params import SamplingParams
+from worker.engine.sequence import Sequence
 
 
 def make_seq(rid: str, tokens: list[int], namespace: int = 0) -> Sequence:

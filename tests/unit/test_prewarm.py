@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from router.prewarm import HotPrefixes, warm_body
+from router.fleet.prewarm import HotPrefixes, warm_body
 
 PATH = "/v1/completions"
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from protocol import LoadReport, WorkerInfo
-from router.balancer import Balancer
-from router.registry import (DRAINED, DRAINING, HEALTHY, JOINING, RECOVERING, UNHEALTHY, InvalidWorkerURL,
+from router.routing.balancer import Balancer
+from router.fleet.registry import (DRAINED, DRAINING, HEALTHY, JOINING, RECOVERING, UNHEALTHY, InvalidWorkerURL,
                              WorkerRegistry)
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import random
 
-from router.ring import WorkerRing
+from router.routing.ring import WorkerRing
 
 _RNG = random.Random(7)
 KEYS = [_RNG.getrandbits(64) for _ in range(2000)]

@@ -7,11 +7,11 @@ import pytest
 
 from protocol.openai_api import OpenAIError
 from protocol.settings import SettingsError
-from router.admin import check_token
-from router.api import parse_affinity, with_include_usage
+from router.http.admin import check_token
+from router.http.api import parse_affinity, with_include_usage
 from router.config import load_router_config
 from router.snapshot import SnapshotError, decode, encode
-from router.sse import UsageTap, usage_numbers
+from router.http.sse import UsageTap, usage_numbers
 
 USAGE = {"prompt_tokens": 40, "completion_tokens": 3, "total_tokens": 43,
          "prompt_tokens_details": {"cached_tokens": 32}}
@@ -130,10 +130,10 @@ def test_the_right_bearer_token_passes():
 
 async def test_the_proxy_forgets_the_guards_of_workers_that_left():
     # Kubernetes replaces pods under new names: per-worker state must not pile up forever.
-    from router.balancer import Balancer
+    from router.routing.balancer import Balancer
     from router.metrics import RouterMetrics
-    from router.proxy import Proxy
-    from router.registry import WorkerRegistry
+    from router.http.proxy import Proxy
+    from router.fleet.registry import WorkerRegistry
 
     registry = WorkerRegistry(Balancer())
     proxy = Proxy(Balancer(), registry, RouterMetrics(), 1.0, 1.0, 1)

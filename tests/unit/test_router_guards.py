@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from protocol.openai_api import OpenAIError
-from router.api import check_api_key, forwardable
-from router.worker_url import InvalidWorkerURL, WorkerURLPolicy
+from router.http.api import check_api_key, forwardable
+from router.fleet.worker_url import InvalidWorkerURL, WorkerURLPolicy
 
 
 @pytest.mark.parametrize("url", [

@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from worker.errors import InvalidRequestError
-from worker.sampler import apply_top_k_top_p, sample
-from worker.sampling_params import SamplingParams
+from worker.engine.errors import InvalidRequestError
+from worker.engine.sampler import apply_top_k_top_p, sample
+from worker.engine.sampling_params import SamplingParams
 
 LOGITS = torch.tensor([[1.0, 3.0, 2.0, 0.0], [0.5, 0.1, 0.2, 4.0]])
 

@@ -11,11 +11,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.engine_support import SlotMemoryRunner, reference_continuation
-from worker.config import EngineConfig
-from worker.engine import LLMEngine
-from worker.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError
-from worker.kv_cache import BlockRemoved, BlockStored
-from worker.sampling_params import SamplingParams
+from worker.engine.config import EngineConfig
+from worker.engine.llm_engine import LLMEngine
+from worker.engine.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError
+from worker.engine.kv_cache import BlockRemoved, BlockStored
+from worker.engine.sampling_params import SamplingParams
 
 
 def make_engine(num_blocks=64, block_size=4, max_tokens_per_step=64, max_seqs=8, **kw):

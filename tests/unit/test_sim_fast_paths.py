@@ -16,10 +16,10 @@ from bench.sim.prompt_hashes import UnitHasher
 from bench.sim.fleet import FleetConfig, simulate
 from bench.sim.worker import SimRequest, SimWorker
 from bench.workloads import load_workload, unit_hashes
-from worker.kv_cache import BlockPool
+from worker.engine.kv_cache import BlockPool
 from worker.simulator.latency import LatencyModel
 from worker.simulator.profiles import get_gpu, get_model
-from worker.stats import SpeedMeter, engine_speed_meter
+from worker.engine.stats import SpeedMeter, engine_speed_meter
 
 MOONCAKE = "/work/shared/traces/mooncake_synthetic_trace.jsonl"
 

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import pytest
 
-from worker.runner import ScheduledBatch, ScheduledSequence
-from worker.sampling_params import SamplingParams
+from worker.engine.runner import ScheduledBatch, ScheduledSequence
+from worker.engine.sampling_params import SamplingParams
 from worker.simulator.latency import LatencyModel, StepShape
 from worker.simulator.profiles import get_gpu, get_model
 from worker.simulator.runner import SIM_TEXT, SimulatedRunner, VirtualClock, build_simulated_engine, nominal_speed
-from worker.stats import prefill_work
+from worker.engine.stats import prefill_work
 
 
 class FakeTime:

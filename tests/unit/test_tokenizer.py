@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from worker.chat_template import ChatTemplate
-from worker.errors import InvalidRequestError
-from worker.tokenizer import BYTE_BOS_ID, BYTE_EOS_ID, ByteTokenizer, HFTokenizer, load_tokenizer
+from worker.engine.chat_template import ChatTemplate
+from worker.engine.errors import InvalidRequestError
+from worker.engine.tokenizer import BYTE_BOS_ID, BYTE_EOS_ID, ByteTokenizer, HFTokenizer, load_tokenizer
 
 TEXT = "Grüße, 世界! 👋🏽 ok"
 

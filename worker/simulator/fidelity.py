@@ -20,7 +20,7 @@ import sys
 import time
 import urllib.request
 
-from worker.sampling_params import SamplingParams
+from worker.engine.sampling_params import SamplingParams
 from worker.simulator.runner import build_simulated_engine
 
 

@@ -16,13 +16,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from worker.config import EngineConfig
-from worker.engine import LLMEngine
-from worker.runner import RunnerOutput, ScheduledBatch, TokenLogprob
+from worker.engine.config import EngineConfig
+from worker.engine.llm_engine import LLMEngine
+from worker.engine.runner import RunnerOutput, ScheduledBatch, TokenLogprob
 from worker.simulator.latency import LatencyModel, StepShape
 from worker.simulator.profiles import get_gpu, get_model
-from worker.stats import prefill_work
-from worker.tokenizer import BYTE_EOS_ID, ByteTokenizer
+from worker.engine.stats import prefill_work
+from worker.engine.tokenizer import BYTE_EOS_ID, ByteTokenizer
 
 SIM_TEXT = (b"The quick brown fox jumps over the lazy dog while the simulated model keeps "
             b"answering in the same calm and deterministic voice. ")
@@ -53,7 +53,7 @@ class VirtualClock:
 
 
 class SimulatedRunner:
-    """A :class:`~worker.runner.ModelRunner` whose steps take the latency model's time."""
+    """A :class:`~worker.engine.runner.ModelRunner` whose steps take the latency model's time."""
 
     def __init__(self, latency: LatencyModel, time_scale: float = 1.0, output_len: int = 256,
                  eos_token_id: int = BYTE_EOS_ID, clock: VirtualClock | None = None) -> None:
@@ -112,7 +112,7 @@ def nominal_speed(latency: LatencyModel) -> tuple[float, float]:
     """The profile's speed in the units the engine measures: (prefill work/s, decode step s).
 
     The latency model's cold 2,048-token prefill expressed as linear-equivalent tokens per
-    second (:func:`worker.stats.prefill_work`), and its decode step at batch 1, 1,024 context.
+    second (:func:`worker.engine.stats.prefill_work`), and its decode step at batch 1, 1,024 context.
     """
     tokens = 2048
     return prefill_work([(tokens, 0)]) / latency.prefill_time(tokens), latency.decode_step_time(1, 1024)

@@ -1,0 +1,1 @@
+"""The HTTP edge: OpenAI routes, the admin API, the proxy, SSE handling and admission control."""

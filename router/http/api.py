@@ -1,0 +1,192 @@
+"""The OpenAI-compatible HTTP surface: /v1/completions, /v1/chat/completions, /v1/models,
+/health, /metrics.
+
+Each inference request is read within the body limit, validated by ``protocol.openai_api``
+(the same rules the workers apply), rendered and hashed (``router/routing/prompt.py``), and handed to
+the proxy. Errors are raised as ``OpenAIError`` anywhere below and turned into OpenAI-shaped
+JSON here, once (see :func:`error_middleware`).
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import math
+import time
+from typing import Awaitable, Callable, Sequence
+
+from aiohttp import web
+
+from protocol import RenderError
+from protocol.openai_api import (OpenAIError, RequestLimits, bad_request, error_body, model_not_found,
+                                 parse_request)
+from protocol.openai_body import read_limited_body
+from router.context import RouterContext
+from router.metrics import CONTENT_TYPE
+from router.routing.prompt import prompt_key, session_key_of
+from router.http.proxy import RETRY_AFTER_S, ProxyRequest
+
+log = logging.getLogger("prefixlb.router.api")
+
+CONTEXT = web.AppKey("context", RouterContext)
+HEADER_AFFINITY = "X-Prefixlb-Affinity"
+FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def json_error(err: OpenAIError) -> web.Response:
+    """An OpenAI-shaped JSON error response."""
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if err.status in (429, 503) else None
+    return web.json_response(err.body(), status=err.status, headers=headers)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Map every failure to an OpenAI-shaped error; nothing reaches the client as a bare 500."""
+    ctx = request.config_dict[CONTEXT]
+    try:
+        response = await handler(request)
+    except OpenAIError as err:
+        response = json_error(err)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        response = web.json_response(error_body(exc.reason, "invalid_request_error"), status=exc.status)
+    except Exception:  # noqa: BLE001 - the one place bugs become a clean 500
+        log.exception("event=handler_crashed path=%s", request.path)
+        response = web.json_response(error_body("Internal router error", "server_error"), status=500)
+    ctx.metrics.responses.labels(str(response.status)).inc()
+    return response
+
+
+async def read_body(request: web.Request, limit: int, timeout: float = 30.0) -> bytes:
+    """The request body: a 413 as soon as it exceeds ``limit`` bytes, a 408 after ``timeout`` s."""
+    return await read_limited_body(request.content_length, request.content, limit, timeout)
+
+
+def check_api_key(header: str | None, keys: Sequence[str]) -> None:
+    """Raise a 401 unless ``header`` is ``Bearer <one of keys>`` (no keys configured: open).
+
+    Every key is compared, in constant time, whatever matched, so timing says nothing about them.
+    """
+    if not keys:
+        return
+    scheme, _, given = (header or "").partition(" ")
+    if not header:
+        raise OpenAIError(401, "Missing API key: send 'Authorization: Bearer <key>'", "invalid_request_error",
+                          None, "missing_api_key")
+    candidate = given.strip().encode("utf-8", "surrogateescape")
+    matched = False
+    for key in keys:
+        matched |= hmac.compare_digest(candidate, key.encode("utf-8"))
+    if scheme.lower() != "bearer" or not matched:
+        raise OpenAIError(401, "Incorrect API key provided", "invalid_request_error", None, "invalid_api_key")
+
+
+def forwardable(name: str, value: str) -> str:
+    """``value`` if it can go to a worker as a header (printable ASCII), else a 400."""
+    if len(value) > 1024 or not value.isascii() or not value.isprintable():
+        raise bad_request(f"Header {name} must be printable ASCII of at most 1024 characters", name,
+                          "invalid_header")
+    return value
+
+
+def parse_affinity(value: str | None) -> float | None:
+    """The ``X-Prefixlb-Affinity`` override: a number in [0, 1], or None when absent."""
+    if value is None:
+        return None
+    try:
+        affinity = float(value)
+    except ValueError:
+        raise bad_request(f"{HEADER_AFFINITY} must be a number in [0, 1]", HEADER_AFFINITY) from None
+    if not math.isfinite(affinity) or not 0.0 <= affinity <= 1.0:
+        raise bad_request(f"{HEADER_AFFINITY} must be a number in [0, 1]", HEADER_AFFINITY)
+    return affinity
+
+
+def with_include_usage(raw: bytes, body: dict) -> bytes:
+    """The body asking the worker for a usage chunk at the end of a stream."""
+    options = body.get("stream_options")
+    if options is None and raw.rstrip().endswith(b"}"):
+        # Splice instead of re-serialising a possibly huge prompt.
+        end = raw.rstrip()
+        return end[:-1] + b',"stream_options":{"include_usage":true}}'
+    patched = dict(body)
+    patched["stream_options"] = {**(options or {}), "include_usage": True}
+    return json.dumps(patched, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
+    ctx = request.app[CONTEXT]
+    cfg = ctx.config
+    check_api_key(request.headers.get("Authorization"), cfg.api_keys)
+    raw = await read_body(request, cfg.max_body_bytes, cfg.body_timeout)
+    parsed = parse_request(raw, chat, RequestLimits(max_body_bytes=cfg.max_body_bytes))
+    body = parsed.body
+    served = ctx.registry.models()
+    if served and parsed.model not in served:
+        raise model_not_found(parsed.model, served)
+    session = session_key_of(request.headers, body, cfg.session_headers, cfg.session_fields)
+    try:
+        prompt = prompt_key(body, chat, cfg.chunk_size, cfg.ring_key_chunks, session)
+    except RenderError as exc:
+        raise bad_request(str(exc), exc.param) from None
+    affinity = parse_affinity(request.headers.get(HEADER_AFFINITY))
+    if ctx.prewarmer.top:
+        ctx.prewarmer.hot.record(prompt.ring_key, request.path, parsed.model, raw, time.time())
+    upstream_body = raw
+    if parsed.stream and not parsed.include_usage:
+        upstream_body = with_include_usage(raw, body)
+    headers = {"Content-Type": "application/json"}
+    for name in (*FORWARDED_HEADERS, *cfg.session_headers):
+        value = request.headers.get(name)
+        if value is not None:
+            headers[name] = forwardable(name, value)
+    if cfg.worker_api_key:
+        headers["Authorization"] = f"Bearer {cfg.worker_api_key}"
+    elif cfg.api_keys:
+        headers.pop("Authorization", None)  # the client's key is for this router, not the workers
+    preq = ProxyRequest(request.path, upstream_body, prompt, parsed.stream, parsed.include_usage, affinity,
+                        headers, ctx.registry.excluded_for(parsed.model))
+    return await ctx.proxy.handle(request, preq)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/completions``."""
+    return await _inference(request, chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/chat/completions``."""
+    return await _inference(request, chat=True)
+
+
+async def models(request: web.Request) -> web.Response:
+    """``GET /v1/models``: the union of the healthy workers' models."""
+    ctx = request.app[CONTEXT]
+    check_api_key(request.headers.get("Authorization"), ctx.config.api_keys)
+    data = [{"id": m, "object": "model", "created": 0, "owned_by": "prefixlb"} for m in ctx.registry.models()]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def health(request: web.Request) -> web.Response:
+    """``GET /health``: the router is up; says how many workers it can route to."""
+    ctx = request.app[CONTEXT]
+    routable = len(ctx.balancer.routable())
+    return web.json_response({"status": "ok", "routable_workers": routable, "known_workers": len(ctx.registry),
+                              "redis": ctx.state.status() if ctx.state else "disabled"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """``GET /metrics``: Prometheus exposition format."""
+    ctx = request.app[CONTEXT]
+    return web.Response(body=ctx.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+def add_routes(app: web.Application) -> None:
+    """Register the OpenAI and operations routes."""
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)

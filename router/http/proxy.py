@@ -1,0 +1,438 @@
+"""Proxy: admit, decide, forward to the chosen worker, pass the answer through as it arrives.
+
+**Admission.** A request first takes a slot under the router's global in-flight limit; when
+there is none, or every candidate worker is at its hard limit, it waits in the bounded queue of
+``router/http/admission.py`` (429 + ``Retry-After`` when full or too slow).
+
+**Attempts.** decide -> send -> wait for the first upstream bytes (streaming) or the whole body
+(non-streaming). A connection error, a timeout, a 5xx, a body cut short, or a stream that ends
+before its first byte is a failed attempt: the worker is excluded and the next decision is tried,
+at most ``max_attempts`` times and only while the request is younger than ``retry_deadline_s``.
+Nothing has reached the client yet, so a retry is invisible to it. When no attempt is left the
+client gets an OpenAI-shaped 502 (``upstream_failed``); with no routable worker at all, a 503.
+
+**After the first byte** (streaming) the response is committed: if the worker fails, hangs, or
+ends its stream without ``data: [DONE]``, the client gets an SSE error event
+(``{"error": {..., "code": "upstream_failed"}}``) and ``data: [DONE]`` -- never a silent,
+truncated "success", never a hang.
+
+**Hung workers.** Every attempt runs under an abortable guard registered under its worker; when
+the worker's breaker opens (``WorkerRegistry.on_unavailable``), :meth:`Proxy.abort_worker`
+expires those guards at once: requests still waiting for a first byte are retried elsewhere,
+streams in progress end with the error event. So a stopped worker (SIGSTOP) costs its requests
+one breaker delay, not ``--read-timeout``.
+
+**Passive health.** Every outcome is reported to the registry: failures (not aborts, not a
+worker saying it is draining) count towards the worker's breaker, successes reset it.
+
+Streaming is passed through event by event (``router/http/sse.py``), never buffered; TCP_NODELAY is
+on (aiohttp sets it on every transport). A client that disconnects cancels the handler (the
+server runs with handler cancellation), and closing the upstream response drops that
+connection, which aborts the request on the worker. Connections to workers are pooled.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import aiohttp
+from aiohttp import web
+
+from protocol.openai_api import SERVER_ERROR, SERVICE_UNAVAILABLE, OpenAIError, error_body
+from router.http.admission import RETRY_AFTER_S, Admission, Overloaded
+from router.routing.balancer import Balancer, Booking
+from router.fleet.health import refused
+from router.metrics import RouterMetrics
+from router.routing.policy import Decision, NoCapacity
+from router.routing.prompt import PromptKey
+from router.fleet.registry import WorkerRegistry
+from router.http.sse import UsageTap, usage_numbers
+
+__all__ = ["Proxy", "ProxyRequest", "Overloaded", "RETRY_AFTER_S", "HEADER_WORKER", "HEADER_PREDICTED",
+           "HEADER_REASON"]
+
+log = logging.getLogger("prefixlb.router.proxy")
+
+HEADER_WORKER = "X-Prefixlb-Worker"
+HEADER_PREDICTED = "X-Prefixlb-Predicted-Cached-Tokens"
+HEADER_REASON = "X-Prefixlb-Route-Reason"
+PASS_BACK = ("Content-Type", "X-Request-Id", "X-Prefixlb-Worker-Id", "Cache-Control")
+ERROR_BODY_BYTES = 64 * 1024  # how much of a worker's 5xx body is read to learn why
+# Failure kinds that say nothing about the worker's health (not counted by its breaker).
+NOT_HEALTH = ("aborted", "draining", "unknown")
+DONE_EVENT = b"data: [DONE]\n\n"
+
+
+@dataclass(slots=True)
+class ProxyRequest:
+    """A validated request, ready to route."""
+
+    path: str
+    body: bytes
+    prompt: PromptKey
+    stream: bool
+    client_wants_usage: bool
+    affinity: float | None = None
+    headers: Mapping[str, str] = field(default_factory=dict)
+    exclude: frozenset[str] = frozenset()
+
+
+class _Failed(Exception):
+    """A failed attempt (retryable: nothing reached the client)."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(detail)
+        self.kind = kind
+
+
+class _Guard:
+    """``asyncio.timeout(None)`` registered under a worker, so :meth:`Proxy.abort_worker` can expire it."""
+
+    __slots__ = ("_guards", "_cm")
+
+    def __init__(self, guards: set) -> None:
+        self._guards = guards
+        self._cm = asyncio.timeout(None)
+
+    async def __aenter__(self) -> "_Guard":
+        await self._cm.__aenter__()
+        self._guards.add(self._cm)
+        return self
+
+    async def __aexit__(self, *exc: Any) -> bool | None:
+        self._guards.discard(self._cm)
+        return await self._cm.__aexit__(*exc)
+
+    def expired(self) -> bool:
+        """True when the worker was aborted while this guard was active."""
+        return self._cm.expired()
+
+
+def upstream_failed(failure: _Failed | None) -> OpenAIError:
+    """The 502 a client gets when no attempt succeeded."""
+    detail = f" ({failure.kind}: {failure})" if failure is not None else ""
+    return OpenAIError(502, f"No worker could serve the request{detail}", SERVER_ERROR, None, "upstream_failed")
+
+
+class Proxy:
+    """Forwards requests to workers through one pooled client session."""
+
+    def __init__(self, balancer: Balancer, registry: WorkerRegistry, metrics: RouterMetrics,
+                 connect_timeout: float, read_timeout: float, max_attempts: int,
+                 retry_deadline_s: float = 30.0, admission: Admission | None = None) -> None:
+        self.balancer = balancer
+        self.registry = registry
+        self.metrics = metrics
+        self.max_attempts = max_attempts
+        self.retry_deadline_s = retry_deadline_s
+        self.admission = admission if admission is not None else Admission()
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout, sock_read=read_timeout)
+        self._session: aiohttp.ClientSession | None = None
+        self._guards: dict[str, set] = {}
+        registry.on_unavailable.append(self.abort_worker)
+        registry.on_removed.append(self._forget)
+
+    async def start(self) -> None:
+        """Open the pooled session to the workers."""
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=75.0)
+        self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout,
+                                              auto_decompress=False)
+
+    async def close(self) -> None:
+        """Close the session (and its pooled connections)."""
+        if self._session is not None:
+            await self._session.close()
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """The pooled client session (for other requests to workers, e.g. pre-warming)."""
+        assert self._session is not None
+        return self._session
+
+    def abort_worker(self, worker_id: str) -> int:
+        """Expire every attempt in progress on ``worker_id`` now; returns how many."""
+        guards = self._guards.get(worker_id)
+        if not guards:
+            return 0
+        now = asyncio.get_running_loop().time()
+        count = 0
+        for cm in list(guards):
+            if not cm.expired():
+                cm.reschedule(now)
+                count += 1
+        log.warning("event=worker_requests_aborted worker=%s requests=%d", worker_id, count)
+        return count
+
+    def _forget(self, w: Any) -> None:
+        """A worker left the registry: drop its (empty) guard set, so ids of pods long gone
+        (Kubernetes replaces them under new names) do not pile up. Attempts still running keep
+        their set, and abort_worker no longer reaches them, as for any removed worker."""
+        if w.worker_id is not None and not self._guards.get(w.worker_id):
+            self._guards.pop(w.worker_id, None)
+
+    def _guard(self, worker_id: str) -> _Guard:
+        guards = self._guards.get(worker_id)
+        if guards is None:
+            guards = self._guards[worker_id] = set()
+        return _Guard(guards)
+
+    # -- the request ------------------------------------------------------------------------
+    async def handle(self, request: web.Request, preq: ProxyRequest) -> web.StreamResponse:
+        """Admit, route ``preq`` and answer ``request`` with the chosen worker's response."""
+        assert self._session is not None
+        loop = asyncio.get_running_loop()
+        arrived = loop.time()
+        admission = self.admission
+        deadline = admission.deadline(arrived)
+        woken = False
+        try:
+            while not admission.try_enter(woken):
+                await admission.wait(len(preq.body), deadline, front=woken)
+                woken = True
+        except Overloaded as exc:
+            self.metrics.overloaded.labels(exc.reason).inc()
+            raise
+        if woken:
+            self.metrics.queue_wait.observe(loop.time() - arrived)
+        try:
+            return await self._attempts(request, preq, arrived, deadline)
+        finally:
+            admission.leave()
+
+    async def _attempts(self, request: web.Request, preq: ProxyRequest, arrived: float,
+                        deadline: float) -> web.StreamResponse:
+        loop = asyncio.get_running_loop()
+        excluded = set(preq.exclude)
+        failure: _Failed | None = None
+        attempts = 0
+        queued = False
+        while True:
+            if attempts and (attempts >= self.max_attempts or loop.time() - arrived > self.retry_deadline_s):
+                raise upstream_failed(failure)
+            decision = await self._decide(preq, excluded, failure, deadline, queued)
+            if decision is None:
+                queued = True
+                continue
+            attempts += 1
+            worker_id = decision.worker_id
+            url = self.registry.url_of(worker_id)
+            booking = self.balancer.dispatch(decision, preq.prompt, time.time())
+            self.metrics.count_request(worker_id, decision.reason)
+            guard = self._guard(worker_id)
+            try:
+                if url is None:
+                    raise _Failed("unknown", "worker left the registry")
+                try:
+                    async with guard:
+                        upstream, first = await self._send(url, preq)
+                except TimeoutError:
+                    if not guard.expired():
+                        raise
+                    raise _Failed("aborted", "the worker was taken out of rotation") from None
+            except _Failed as exc:
+                self._attempt_failed(booking, exc, attempts)
+                excluded.add(worker_id)
+                failure = exc
+                continue
+            except BaseException:  # a client disconnect (cancellation) or a bug: release the booking
+                self.balancer.finish(booking, time.time())
+                raise
+            if preq.stream and upstream.status == 200:
+                return await self._stream(request, preq, booking, upstream, first)
+            return self._complete(booking, upstream, first)
+
+    async def _decide(self, preq: ProxyRequest, excluded: set[str], failure: _Failed | None,
+                      deadline: float, queued: bool) -> Decision | None:
+        """A decision, or None after waiting in the queue for capacity (then decide again)."""
+        started = time.perf_counter()
+        try:
+            decision = self.balancer.decide(preq.prompt, time.time(), preq.affinity, excluded)
+        except NoCapacity as exc:
+            if not exc.candidates:
+                if failure is not None:
+                    raise upstream_failed(failure) from exc
+                raise OpenAIError(503, "No healthy worker is available", SERVICE_UNAVAILABLE, None,
+                                  "no_workers") from exc
+            waited = time.perf_counter()
+            try:
+                await self.admission.wait(len(preq.body), deadline, front=queued, holds_slot=True)
+            except Overloaded as over:
+                self.metrics.overloaded.labels(over.reason).inc()
+                raise
+            self.metrics.queue_wait.observe(time.perf_counter() - waited)
+            return None
+        self.metrics.decision_seconds.observe(time.perf_counter() - started)
+        return decision
+
+    def _attempt_failed(self, booking: Booking, exc: _Failed, attempt: int) -> None:
+        now = time.time()
+        self.balancer.finish(booking, now)
+        worker_id = booking.decision.worker_id
+        self.metrics.upstream_errors.labels(worker_id, exc.kind).inc()
+        if exc.kind == "draining":
+            self.registry.report_draining(worker_id)
+        elif exc.kind not in NOT_HEALTH:
+            worker = self.registry.get(worker_id)
+            if worker is not None:
+                self.registry.mark_failed(worker, f"request: {exc.kind}: {exc}"[:200], now, exc.kind == "refused")
+        log.warning("event=upstream_failed worker=%s kind=%s attempt=%d detail=%r", worker_id, exc.kind,
+                    attempt, str(exc)[:200])
+        if attempt < self.max_attempts:
+            self.metrics.retries.inc()
+
+    async def _send(self, url: str, preq: ProxyRequest) -> tuple[aiohttp.ClientResponse, bytes]:
+        """POST to the worker; then its first bytes (streaming 200) or its whole body (otherwise)."""
+        assert self._session is not None
+        try:
+            upstream = await self._session.post(url + preq.path, data=preq.body, headers=preq.headers)
+        except asyncio.TimeoutError as exc:
+            raise _Failed("timeout", "timed out connecting") from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            raise _Failed("refused" if refused(exc) else "connect", f"{type(exc).__name__}: {exc}") from exc
+        try:
+            if upstream.status >= 500:
+                raise _status_failure(upstream.status, await upstream.content.read(ERROR_BODY_BYTES))
+            if preq.stream and upstream.status == 200:
+                first = await upstream.content.readany()
+                if not first:
+                    raise _Failed("disconnected", "stream ended before its first byte")
+            else:
+                first = await upstream.read()
+        except asyncio.TimeoutError as exc:
+            upstream.close()
+            raise _Failed("timeout", "no answer in time") from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            upstream.close()
+            raise _Failed("disconnected", f"{type(exc).__name__}: {exc}") from exc
+        except BaseException:
+            upstream.close()  # a _Failed, an abort or a client disconnect: drop the connection
+            raise
+        return upstream, first
+
+    def _headers(self, booking: Booking, upstream: aiohttp.ClientResponse) -> dict[str, str]:
+        headers = {name: upstream.headers[name] for name in PASS_BACK if name in upstream.headers}
+        d = booking.decision
+        headers[HEADER_WORKER] = d.worker_id
+        headers[HEADER_PREDICTED] = str(d.predicted_cached_tokens)
+        headers[HEADER_REASON] = d.reason
+        return headers
+
+    def _complete(self, booking: Booking, upstream: aiohttp.ClientResponse, data: bytes) -> web.Response:
+        usage: dict[str, Any] | None = None
+        try:
+            now = time.time()
+            self.balancer.first_byte(booking, now)
+            if upstream.status == 200:
+                usage = _json_usage(data)
+                self.registry.request_ok(booking.decision.worker_id, now)
+            return web.Response(body=data, status=upstream.status, headers=self._headers(booking, upstream))
+        finally:
+            upstream.release()
+            self._finish(booking, usage)
+
+    async def _stream(self, request: web.Request, preq: ProxyRequest, booking: Booking,
+                      upstream: aiohttp.ClientResponse, first: bytes) -> web.StreamResponse:
+        worker_id = booking.decision.worker_id
+        self.balancer.first_byte(booking, time.time())
+        tap = UsageTap(strip=not preq.client_wants_usage)
+        response = web.StreamResponse(status=200, headers=self._headers(booking, upstream))
+        completed = False
+        try:
+            await response.prepare(request)
+            out = tap.feed(first)
+            if out:
+                await response.write(out)
+            failure = await self._pass_through(response, upstream, tap, worker_id)
+            if failure is None:
+                tail = tap.flush()
+                if tail:
+                    await response.write(tail)
+                if not tap.done:
+                    failure = _Failed("truncated", "the worker ended the stream without [DONE]")
+            if failure is None:
+                completed = True
+                self.registry.request_ok(worker_id, time.time())
+            else:
+                # Committed: the client gets a clean error event instead of a truncated success.
+                self._stream_failed(worker_id, failure)
+                event = error_body(f"The worker failed mid-stream ({failure.kind}); the response is incomplete",
+                                   SERVER_ERROR, None, "upstream_failed")
+                await response.write(b"data: " + json.dumps(event).encode() + b"\n\n" + DONE_EVENT)
+            await response.write_eof()
+            return response
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.metrics.client_disconnects.inc()
+            raise
+        finally:
+            if completed:
+                upstream.release()
+            else:
+                upstream.close()  # drop the connection: the worker aborts the request
+            self._finish(booking, tap.usage)
+
+    async def _pass_through(self, response: web.StreamResponse, upstream: aiohttp.ClientResponse,
+                            tap: UsageTap, worker_id: str) -> _Failed | None:
+        """Forward upstream events until the stream ends; the worker failure that ended it, if any.
+
+        Only upstream reads are worker failures; a failed write to the client propagates.
+        """
+        guard = self._guard(worker_id)
+        content = upstream.content
+        try:
+            async with guard:
+                while True:
+                    try:
+                        chunk = await content.readany()
+                    except TimeoutError as exc:  # before ClientError: aiohttp's read timeout is both
+                        return _Failed("timeout", f"no data for too long: {exc!r}")
+                    except (aiohttp.ClientError, OSError) as exc:
+                        return _Failed("mid_stream", f"{type(exc).__name__}: {exc}")
+                    if not chunk:
+                        return None
+                    out = tap.feed(chunk)
+                    if out:
+                        await response.write(out)
+        except TimeoutError:
+            if not guard.expired():
+                raise
+            return _Failed("aborted", "the worker was taken out of rotation")
+
+    def _stream_failed(self, worker_id: str, failure: _Failed) -> None:
+        self.metrics.upstream_errors.labels(worker_id, failure.kind).inc()
+        if failure.kind not in NOT_HEALTH:
+            worker = self.registry.get(worker_id)
+            if worker is not None:
+                self.registry.mark_failed(worker, f"stream: {failure.kind}: {failure}"[:200], time.time())
+        log.warning("event=stream_failed worker=%s kind=%s detail=%r", worker_id, failure.kind, str(failure)[:200])
+
+    def _finish(self, booking: Booking, usage: dict[str, Any] | None) -> None:
+        numbers = usage_numbers(usage)
+        self.balancer.finish(booking, time.time(), numbers)
+        if numbers is not None and numbers[1] is not None:
+            self.metrics.observe_feedback(booking.decision.worker_id, booking.decision.predicted_cached_tokens,
+                                          numbers[0], numbers[1])
+
+
+def _status_failure(status: int, body: bytes) -> _Failed:
+    code = None
+    try:
+        error = json.loads(body).get("error")
+        code = error.get("code") if isinstance(error, dict) else None
+    except (ValueError, AttributeError):
+        pass
+    if status == 503 and code == "draining":
+        return _Failed("draining", "the worker is draining")
+    return _Failed("status", f"worker answered {status}" + (f" ({code})" if isinstance(code, str) else ""))
+
+
+def _json_usage(data: bytes) -> dict[str, Any] | None:
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        return None
+    usage = obj.get("usage") if isinstance(obj, dict) else None
+    return usage if isinstance(usage, dict) else None

@@ -1,0 +1,52 @@
+"""ServerConfig: one schema read from flags, PREFIXLB_WORKER_* environment variables and YAML."""
+from __future__ import annotations
+
+import pytest
+
+from protocol.settings import SettingsError
+from worker.server.config import load_server_config, parse_size
+
+
+def test_defaults_run_the_tiny_model_on_localhost():
+    cfg = load_server_config([], environ={})
+    assert (cfg.model, cfg.host, cfg.port, cfg.block_size, cfg.chunk_size) == ("tiny", "127.0.0.1", 8001, 16, 128)
+    assert (cfg.model_name, cfg.advertise_url, cfg.redis, cfg.simulate) == ("tiny", "http://127.0.0.1:8001", None, False)
+
+
+def test_flags_beat_env_beat_yaml(tmp_path):
+    yaml_file = tmp_path / "w.yaml"
+    yaml_file.write_text("port: 9001\nblock-size: 32\nkv_blocks: 100\n")
+    env = {"PREFIXLB_WORKER_PORT": "9002", "PREFIXLB_WORKER_CONFIG": str(yaml_file)}
+    cfg = load_server_config(["--port", "9003"], environ=env)
+    assert (cfg.port, cfg.block_size, cfg.kv_blocks) == (9003, 32, 100)
+    assert load_server_config([], environ=env).port == 9002
+
+
+def test_served_model_name_defaults_to_the_profile_or_directory(tmp_path):
+    assert load_server_config(["--simulate"], environ={}).model_name == "llama-3-8b"
+    ckpt = tmp_path / "my-llama"
+    ckpt.mkdir()
+    assert load_server_config(["--model", str(ckpt)], environ={}).model_name == "my-llama"
+    assert load_server_config(["--served-model-name", "x", "--simulate"], environ={}).model_name == "x"
+
+
+def test_advertise_and_worker_id():
+    cfg = load_server_config(["--host", "0.0.0.0", "--port", "8123", "--worker-id", "w9"], environ={})
+    assert (cfg.advertise_url, cfg.resolved_worker_id) == ("http://127.0.0.1:8123", "w9")
+    cfg = load_server_config(["--advertise", "http://10.0.0.5:8001/"], environ={})
+    assert cfg.advertise_url == "http://10.0.0.5:8001"
+
+
+@pytest.mark.parametrize("text, size", [("1048576", 1048576), ("512MiB", 512 * 2**20), ("2G", 2 * 10**9),
+                                        ("1.5GiB", int(1.5 * 2**30)), ("64 kb", 64_000)])
+def test_sizes(text, size):
+    assert parse_size(text) == size
+
+
+def test_bad_values_are_refused_with_the_setting_named():
+    with pytest.raises(SettingsError, match="kv_memory|invalid size"):
+        load_server_config(["--kv-memory", "lots"], environ={})
+    with pytest.raises(SettingsError, match="block_size"):
+        load_server_config(["--block-size", "0"], environ={})
+    with pytest.raises(SettingsError, match="port"):
+        load_server_config([], environ={"PREFIXLB_WORKER_PORT": "eighty"})

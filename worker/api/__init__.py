@@ -1,1 +1,0 @@
-"""HTTP handlers of the worker server (see worker/server.py)."""

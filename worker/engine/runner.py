@@ -1,0 +1,94 @@
+"""The seam between scheduling and compute: what a step asks of a runner, what it returns.
+
+``ModelRunner.execute(batch)`` computes the scheduled tokens of every sequence in ``batch``
+and returns one sampled token per sequence whose ``samples`` flag is set. The torch runner
+(:mod:`worker.engine.model_runner`) runs the model and the sampler; the simulated worker's runner
+only reads the counts and returns deterministic tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from worker.engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """A sampled token's logprob and the top alternatives ``[(token_id, logprob), ...]``."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class ScheduledSequence:
+    """One sequence's share of a step.
+
+    The step computes tokens ``num_computed_tokens .. num_computed_tokens +
+    num_scheduled_tokens - 1`` (``new_token_ids``); the KV of the first ``num_computed_tokens``
+    positions (cache hits included) is already in ``block_ids``. ``samples`` is True when the
+    step reaches the sequence's last known token, so a new token is sampled.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    block_ids: list[int]
+    is_prefill: bool
+    samples: bool
+    sampling_params: SamplingParams
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+    @property
+    def context_len(self) -> int:
+        """Tokens in the KV cache after this step."""
+        return self.num_computed_tokens + self.num_scheduled_tokens
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """Everything one engine step computes, plus requests finished since the previous step."""
+
+    seqs: list[ScheduledSequence] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)
+    block_size: int = 16
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_scheduled_tokens for s in self.seqs)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.num_scheduled_tokens for s in self.seqs if s.is_prefill)
+
+    @property
+    def num_decode_seqs(self) -> int:
+        return sum(1 for s in self.seqs if not s.is_prefill)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    """Sampled token (and optional logprobs) per request id that sampled this step.
+
+    ``step_s``: the step's duration when the runner knows it better than the engine's wall
+    clock (the simulated runner: its modelled time over the time scale); None = measure it.
+    """
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    step_s: float | None = None
+
+
+class ModelRunner(Protocol):
+    """Computes a :class:`ScheduledBatch`. Implementations own their KV tensors (if any)."""
+
+    def execute(self, batch: ScheduledBatch) -> RunnerOutput:
+        """Run one step; return a token for every sequence with ``samples`` set."""
+        ...

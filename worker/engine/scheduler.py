@@ -1,0 +1,167 @@
+"""Scheduler: continuous batching under a token budget, chunked prefill, preemption.
+
+Each step gets ``max_num_batched_tokens`` tokens of budget:
+
+1. Running sequences first, in admission order: a decoding sequence takes 1 token, a
+   partially prefilled one takes its next chunk. When the pool cannot hold a sequence's new
+   tokens, the most recently admitted running sequence is preempted by recompute: its blocks
+   are freed, ``num_computed_tokens`` drops to 0, and it goes back to the *front* of the
+   waiting queue so it keeps its place (its prefix is often still cached, so the recompute
+   is usually cheap).
+2. Then waiting sequences in arrival order (strict FCFS: if the head does not fit, nobody
+   behind it jumps ahead), while budget, ``max_num_seqs`` and blocks allow. A newly admitted
+   sequence reuses its cached prefix and prefills the rest, in chunks if the budget is short.
+
+Prefill chunks and decode tokens share one step ("mixed batches"). The scheduler owns token
+bookkeeping only; the engine applies sampled tokens and finishing rules.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from worker.engine.config import EngineConfig
+from worker.engine.kv_cache.kv_cache_manager import KVCacheManager
+from worker.engine.runner import ScheduledBatch, ScheduledSequence
+from worker.engine.sequence import Sequence, SequenceStatus
+
+
+class Scheduler:
+    """Chooses what each step computes; keeps the waiting and running queues."""
+
+    def __init__(self, config: EngineConfig, num_blocks: int) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size,
+                                               config.enable_prefix_caching)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.requests: dict[str, Sequence] = {}
+        self._finished_ids: list[str] = []
+        # Counters (cumulative).
+        self.num_preemptions = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # ---- queue management ------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        """Queue ``seq`` behind every waiting request."""
+        self.requests[seq.request_id] = seq
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Mark ``seq`` finished, drop it from the queues and free its blocks now."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = status
+        self.kv_cache_manager.free(seq)
+        self.requests.pop(seq.request_id, None)
+        self._finished_ids.append(seq.request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv_cache_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # ---- scheduling ------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        """Pick this step's work and reserve its blocks."""
+        budget = self.max_num_batched_tokens
+        kv = self.kv_cache_manager
+        scheduled: list[tuple[Sequence, int]] = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not kv.allocate_slots(seq, n):
+                victim = self.running[-1]  # never scheduled yet: it sits at or after ``seq``
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                scheduled.append((seq, n))
+                budget -= n
+                i += 1
+                continue
+            break  # ``seq`` preempted itself: nothing after it is running any more
+
+        # Admitting new work right after preempting would only thrash the pool.
+        now = time.monotonic()
+        while (self.waiting and budget > 0 and not preempted
+               and len(self.running) < self.max_num_seqs):
+            seq = self.waiting[0]
+            hits, num_hit_tokens = kv.get_computed_blocks(seq)
+            n = seq.num_tokens - num_hit_tokens
+            if n > budget and not self.config.enable_chunked_prefill:
+                break
+            n = min(n, budget)
+            if not kv.allocate_slots(seq, n, hits):
+                break
+            self.waiting.popleft()
+            seq.num_computed_tokens = num_hit_tokens
+            seq.status = SequenceStatus.RUNNING
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = num_hit_tokens
+                seq.first_scheduled_time = now
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += num_hit_tokens
+            self.running.append(seq)
+            scheduled.append((seq, n))
+            budget -= n
+
+        batch = ScheduledBatch(finished_request_ids=self._finished_ids, block_size=self.block_size)
+        if scheduled:  # an empty batch never reaches the runner: keep the ids for the next one
+            self._finished_ids = []
+        for seq, n in scheduled:
+            start = seq.num_computed_tokens
+            end = start + n
+            is_decode = n == 1 and end == seq.num_tokens and seq.num_output_tokens > 0
+            batch.seqs.append(ScheduledSequence(
+                request_id=seq.request_id,
+                new_token_ids=seq.token_ids[start:end],
+                num_computed_tokens=start,
+                num_scheduled_tokens=n,
+                block_ids=[b.block_id for b in seq.blocks],
+                is_prefill=not is_decode,
+                samples=end == seq.num_tokens,
+                sampling_params=seq.sampling_params,
+                num_prompt_tokens=seq.num_prompt_tokens,
+                num_output_tokens=seq.num_output_tokens,
+            ))
+        return batch
+
+    def on_step_done(self, batch: ScheduledBatch) -> None:
+        """Advance computed-token counts and register newly written full blocks as cached."""
+        kv = self.kv_cache_manager
+        for s in batch.seqs:
+            seq = self.requests.get(s.request_id)
+            if seq is None or seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted while the step ran
+            seq.num_computed_tokens += s.num_scheduled_tokens
+            kv.cache_computed_blocks(seq)
+
+    # ---- load --------------------------------------------------------------------------------
+    def queued_prefill_tokens(self) -> int:
+        """Prompt (or recompute) tokens not yet computed, over waiting and running requests."""
+        total = sum(seq.num_tokens - seq.num_computed_tokens for seq in self.waiting)
+        total += sum(seq.num_tokens - seq.num_computed_tokens
+                     for seq in self.running if seq.num_tokens - seq.num_computed_tokens > 1)
+        return total
+
+    def running_tokens(self) -> int:
+        """Context tokens of running requests (decode pressure)."""
+        return sum(seq.num_tokens for seq in self.running)

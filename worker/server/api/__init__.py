@@ -1,0 +1,1 @@
+"""HTTP handlers of the worker server (see worker/server/app.py)."""

@@ -1,0 +1,158 @@
+"""From a validated OpenAI request to engine requests, and from engine outputs back.
+
+:func:`prepare` checks what only the worker can check (served model, context length,
+vocabulary, text-only content), tokenizes, and builds one SamplingParams per choice.
+:func:`run_choices` runs the ``n`` choices as engine requests and yields their outputs as
+they come; closing it aborts whatever still runs, so a client that goes away frees its
+KV blocks at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from protocol.openai_api import (ChatCompletionRequest, CompletionRequest, bad_request,
+                                 model_not_found)
+from protocol.render import RenderError, render_request
+from worker.server.api.context import WorkerContext
+from worker.engine.errors import InvalidRequestError
+from worker.engine.outputs import RequestOutput
+from worker.engine.sampling_params import SamplingParams
+
+SEED_MASK = (1 << 63) - 1
+
+
+@dataclass(slots=True)
+class PreparedRequest:
+    """Everything the engine needs for one OpenAI request."""
+
+    request: CompletionRequest | ChatCompletionRequest
+    prompt_token_ids: list[int]
+    params: list[SamplingParams]
+    namespace: int
+    rendered: bytes
+
+
+def _chat_text(ctx: WorkerContext, req: ChatCompletionRequest) -> str:
+    for i, m in enumerate(req.messages):
+        content = m.get("content")
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if part.get("type", "text") != "text":
+                    raise bad_request(f"content part type {part.get('type')!r} is not supported: "
+                                      f"{ctx.model_name} accepts text only",
+                                      f"messages[{i}].content[{j}].type", "unsupported")
+    try:
+        return ctx.tokenizer.apply_chat_template(req.messages, req.tools, add_generation_prompt=True)
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), "messages") from None
+
+
+def prompt_token_ids(ctx: WorkerContext, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
+    """Tokenize the request's prompt (chat: through the chat template); BOS as the model wants."""
+    if isinstance(req, ChatCompletionRequest):
+        return ctx.tokenizer.encode(_chat_text(ctx, req), add_bos=True)
+    if isinstance(req.prompt, str):
+        return ctx.tokenizer.encode(req.prompt, add_bos=True)
+    vocab = ctx.engine.engine.vocab_size
+    bad = next((t for t in req.prompt if t >= vocab), None)
+    if bad is not None:
+        raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", "prompt")
+    return list(req.prompt)
+
+
+def prepare(ctx: WorkerContext, req: CompletionRequest | ChatCompletionRequest) -> PreparedRequest:
+    """Validate against this worker and build the engine's view of ``req`` (or raise 4xx)."""
+    if req.model != ctx.model_name:
+        raise model_not_found(req.model, [ctx.model_name])
+    if req.lora_adapter:
+        raise bad_request(f"LoRA adapter {req.lora_adapter!r} is not loaded on this worker",
+                          "lora_adapter", "adapter_not_found")
+    try:
+        rendered = render_request(req.body, req.chat)
+    except RenderError as exc:
+        raise bad_request(str(exc), exc.param) from None
+    ids = prompt_token_ids(ctx, req)
+    limit = ctx.max_model_len
+    param = "messages" if req.chat else "prompt"
+    s = req.sampling
+    if len(ids) >= limit:
+        raise bad_request(f"This model's maximum context length is {limit} tokens; the prompt has "
+                          f"{len(ids)} tokens and at least one must be generated", param,
+                          "context_length_exceeded")
+    max_tokens = s.max_tokens if s.max_tokens is not None else limit - len(ids)
+    if len(ids) + max_tokens > limit:
+        raise bad_request(f"This model's maximum context length is {limit} tokens; you requested "
+                          f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} "
+                          f"for the completion)", "max_tokens", "context_length_exceeded")
+    params = []
+    for i in range(s.n):
+        seed = None if s.seed is None else (s.seed + i) & SEED_MASK
+        try:
+            params.append(SamplingParams(
+                max_tokens=max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                seed=seed, stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
+                ignore_eos=s.ignore_eos, logprobs=s.logprobs))
+        except InvalidRequestError as exc:
+            raise bad_request(str(exc)) from None
+    namespace = ctx.namespace(req.model, req.lora_adapter, req.cache_salt)
+    return PreparedRequest(req, ids, params, namespace, rendered)
+
+
+async def _one(ctx: WorkerContext, rid: str, prep: PreparedRequest, index: int,
+               queue: asyncio.Queue) -> None:
+    try:
+        async with contextlib.aclosing(ctx.engine.generate(
+                rid, prep.prompt_token_ids, prep.params[index], namespace=prep.namespace)) as outs:
+            async for out in outs:
+                queue.put_nowait((index, out))
+    except Exception as exc:  # delivered to the consumer, which maps it at the HTTP edge
+        queue.put_nowait((index, exc))
+
+
+async def run_choices(ctx: WorkerContext, request_id: str, prep: PreparedRequest
+                      ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Yield ``(choice index, output)`` until every choice has finished.
+
+    Engine errors are raised to the caller; closing the iterator early aborts every choice.
+    """
+    ctx.track_prompt(prep.rendered, prep.prompt_token_ids, prep.namespace)
+    n = len(prep.params)
+    if n == 1:
+        async with contextlib.aclosing(ctx.engine.generate(
+                request_id, prep.prompt_token_ids, prep.params[0], namespace=prep.namespace)) as outs:
+            async for out in outs:
+                observe(ctx, out, prep)
+                yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    tasks = [asyncio.create_task(_one(ctx, f"{request_id}-{i}", prep, i, queue)) for i in range(n)]
+    remaining = n
+    try:
+        while remaining:
+            index, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            observe(ctx, item, prep)
+            if item.finished:
+                remaining -= 1
+            yield index, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def observe(ctx: WorkerContext, out: RequestOutput, prep: PreparedRequest) -> None:
+    """Feed one output's timings into the latency histograms."""
+    m = ctx.metrics
+    if out.ttft_s is not None:
+        m.ttft.observe(out.ttft_s)
+    for gap in out.itl_s:
+        m.itl.observe(gap)
+    if out.finished:
+        m.e2e.observe(max(0.0, time.monotonic() - out.arrival_time))
+        m.requests.labels("chat" if prep.request.chat else "completions", out.finish_reason or "").inc()

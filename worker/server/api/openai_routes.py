@@ -1,0 +1,146 @@
+"""``POST /v1/completions``, ``POST /v1/chat/completions`` (whole or SSE) and ``GET /v1/models``."""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from typing import Any
+
+from aiohttp import web
+
+from protocol.openai_api import (SERVICE_UNAVAILABLE, OpenAIError, parse_chat_request,
+                                 parse_completion_request)
+from worker.server.api.body import read_json
+from worker.server.api.context import CTX, WorkerContext
+from worker.server.api.errors import WORKER_HEADER, map_exception
+from worker.server.api.generation import PreparedRequest, prepare, run_choices
+from worker.server.api.responses import (ChoiceState, ResponseMeta, chat_logprobs, completion_logprobs,
+                                  full_response, stream_chunk, usage, usage_chunk)
+
+log = logging.getLogger("prefixlb.worker.server")
+
+
+def _sse(payload: Any) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    """OpenAI completions."""
+    return await _serve(request, chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """OpenAI chat completions."""
+    return await _serve(request, chat=True)
+
+
+async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
+    ctx = request.app[CTX]
+    if ctx.draining:
+        raise OpenAIError(503, "This worker is draining and takes no new requests",
+                          SERVICE_UNAVAILABLE, code="draining")
+    body = await read_json(request, ctx.limits, ctx.body_timeout)
+    req = parse_chat_request(body, ctx.limits) if chat else parse_completion_request(body, ctx.limits)
+    prep = prepare(ctx, req)
+    meta = ResponseMeta(ctx.new_request_id("chatcmpl" if chat else "cmpl"), ctx.model_name,
+                        ctx.worker_id, chat)
+    ctx.request_started()
+    try:
+        if req.stream:
+            return await _stream(request, ctx, prep, meta)
+        return await _whole(ctx, prep, meta)
+    finally:
+        ctx.request_finished()
+
+
+def _check_finish(reason: str | None) -> None:
+    if reason == "abort":
+        raise OpenAIError(503, "The request was aborted by the engine", SERVICE_UNAVAILABLE, code="aborted")
+
+
+async def _whole(ctx: WorkerContext, prep: PreparedRequest, meta: ResponseMeta) -> web.Response:
+    states = [ChoiceState(i) for i in range(len(prep.params))]
+    prompt_tokens = cached = 0
+    async with contextlib.aclosing(run_choices(ctx, meta.id, prep)) as outputs:
+        async for index, out in outputs:
+            st = states[index]
+            st.text += out.new_text
+            st.num_tokens = len(out.token_ids)
+            if out.logprobs:
+                st.logprobs.extend(out.logprobs)
+            if index == 0:
+                prompt_tokens, cached = out.num_prompt_tokens, out.num_cached_tokens
+            if out.finished:
+                _check_finish(out.finish_reason)
+                st.finish_reason = out.finish_reason
+    use = usage(prompt_tokens, sum(s.num_tokens for s in states), cached)
+    ctx.metrics.cached_tokens.inc(cached)
+    body = full_response(meta, ctx.tokenizer, states, prep.params[0].logprobs, use)
+    return web.json_response(body, dumps=lambda o: json.dumps(o, ensure_ascii=False))
+
+
+async def _stream(request: web.Request, ctx: WorkerContext, prep: PreparedRequest,
+                  meta: ResponseMeta) -> web.StreamResponse:
+    req = prep.request
+    top_k = prep.params[0].logprobs
+    n = len(prep.params)
+    offsets = [0] * n
+    tokens = [0] * n
+    prompt_tokens = cached = 0
+    async with contextlib.aclosing(run_choices(ctx, meta.id, prep)) as outputs:
+        # The first output decides between an HTTP error (nothing sent yet) and a stream.
+        first = await outputs.__anext__()
+        resp = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no", WORKER_HEADER: ctx.worker_id})
+        await resp.prepare(request)
+        try:
+            if meta.chat:
+                for i in range(n):
+                    await resp.write(_sse(stream_chunk(meta, i, "", None, None, req.include_usage, first=True)))
+            pending = [first]
+            while True:
+                for index, out in pending:
+                    if index == 0:
+                        prompt_tokens, cached = out.num_prompt_tokens, out.num_cached_tokens
+                    tokens[index] = len(out.token_ids)
+                    if out.finished:
+                        _check_finish(out.finish_reason)
+                    lp = None
+                    if top_k is not None and out.logprobs:
+                        lp = (chat_logprobs(ctx.tokenizer, out.logprobs, top_k) if meta.chat
+                              else completion_logprobs(ctx.tokenizer, out.logprobs, top_k, offsets[index]))
+                    offsets[index] += len(out.new_text)
+                    if out.new_text or out.finished or lp is not None:
+                        await resp.write(_sse(stream_chunk(meta, index, out.new_text, out.finish_reason,
+                                                           lp, req.include_usage)))
+                try:
+                    pending = [await outputs.__anext__()]
+                except StopAsyncIteration:
+                    break
+            use = usage(prompt_tokens, sum(tokens), cached)
+            ctx.metrics.cached_tokens.inc(cached)
+            if req.include_usage:
+                await resp.write(_sse(usage_chunk(meta, use)))
+            await resp.write(b"data: [DONE]\n\n")
+        except (ConnectionResetError, ConnectionError):
+            log.info("event=client_disconnected request=%s", meta.id)  # closing `outputs` aborts
+            return resp
+        except Exception as exc:  # after the first byte: tell the client in-stream, then end
+            status, err = map_exception(exc)
+            if status >= 500:
+                log.error("event=stream_failed request=%s status=%d error=%r", meta.id, status, exc)
+            ctx.metrics.errors.labels(str(status)).inc()
+            with contextlib.suppress(ConnectionError):
+                await resp.write(_sse(err.body()))
+                await resp.write(b"data: [DONE]\n\n")
+            return resp
+    return resp
+
+
+async def models(request: web.Request) -> web.Response:
+    """The served model."""
+    ctx = request.app[CTX]
+    return web.json_response({"object": "list", "data": [{
+        "id": ctx.model_name, "object": "model", "created": int(ctx.started_at), "owned_by": "prefixlb",
+        "root": ctx.model_name, "parent": None, "max_model_len": ctx.max_model_len}]})

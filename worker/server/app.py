@@ -1,0 +1,164 @@
+"""The worker's HTTP server: one aiohttp app over an AsyncLLMEngine, real or simulated.
+
+Lifecycle of ``serve(config)``::
+
+    build engine (model or latency model) -> start engine thread -> listen
+    -> [--redis] register, publish "cleared", heartbeat load, stream KV events
+    SIGTERM/SIGINT -> draining: /health 503, new requests 503, registry status "draining"
+    -> wait for in-flight requests (--drain-timeout) -> deregister -> close -> exit 0
+
+Routes are in worker/server/api/: openai_routes (completions, chat, models), probes (health, load,
+metrics, server/model info, tokenize, render), errors (the one exception-to-HTTP mapping).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+from typing import Callable
+
+from aiohttp import web
+
+from protocol.http_errors import OpenAIErrorServer
+from protocol.keys import RedisKeys
+from protocol.messages import KV_CLEARED
+from protocol.openai_api import RequestLimits
+from worker.server.api import openai_routes, probes
+from worker.server.api.auth import api_key_middleware
+from worker.server.api.context import CTX, WorkerContext
+from worker.server.api.errors import error_middleware
+from worker.engine.async_engine import AsyncLLMEngine
+from worker.engine.config import EngineConfig
+from worker.engine.llm_engine import LLMEngine
+from worker.server.kv_events import KVEventMapper
+from worker.server.publisher import RedisPublisher
+from worker.server.config import ServerConfig
+
+log = logging.getLogger("prefixlb.worker.server")
+
+SIM_DEFAULT_MAX_NUM_SEQS = 256
+SIM_DEFAULT_MAX_BATCHED_TOKENS = 8192
+
+
+@dataclass(slots=True)
+class BuiltEngine:
+    """An engine, what /get_server_info says about it, and extra metrics (the simulator's clock)."""
+
+    engine: LLMEngine
+    info: dict
+    metrics: Callable[[], dict[str, float]] | None = None
+
+
+def build_engine(cfg: ServerConfig) -> BuiltEngine:
+    """The engine ``cfg`` asks for."""
+    if cfg.simulate:
+        from worker.simulator.runner import build_simulated_engine
+
+        engine, runner = build_simulated_engine(
+            cfg.gpu, cfg.sim_model, tp=cfg.sim_tp, time_scale=cfg.time_scale,
+            block_size=cfg.block_size, num_kv_blocks=cfg.kv_blocks, kv_memory_bytes=cfg.kv_memory_bytes,
+            max_num_seqs=cfg.max_num_seqs or SIM_DEFAULT_MAX_NUM_SEQS,
+            max_num_batched_tokens=cfg.max_num_batched_tokens or SIM_DEFAULT_MAX_BATCHED_TOKENS,
+            max_model_len=cfg.max_model_len, output_len=cfg.sim_output_len, seed=cfg.seed)
+        info = {"gpu": runner.latency.gpu.name, "sim_model": runner.latency.model.name,
+                "tp_size": runner.latency.tp, "time_scale": cfg.time_scale}
+        return BuiltEngine(engine, info, lambda: {"sim_modelled_seconds_total": runner.clock.modelled_s,
+                                                  "sim_steps_total": runner.steps})
+    config = EngineConfig(
+        model=cfg.model, block_size=cfg.block_size, num_kv_blocks=cfg.kv_blocks,
+        kv_memory_bytes=cfg.kv_memory_bytes, max_num_seqs=cfg.max_num_seqs or 32,
+        max_num_batched_tokens=cfg.max_num_batched_tokens or 2048, max_model_len=cfg.max_model_len,
+        attention_backend=cfg.attention_backend, device=cfg.device, num_threads=cfg.threads,
+        seed=cfg.seed)
+    return BuiltEngine(LLMEngine(config), {"device": cfg.device})
+
+
+def create_app(ctx: WorkerContext) -> web.Application:
+    """The aiohttp application serving ``ctx``."""
+    middlewares = [error_middleware(ctx.worker_id, lambda s: ctx.metrics.errors.labels(str(s)).inc())]
+    if ctx.api_keys:
+        middlewares.append(api_key_middleware(ctx.api_keys))
+    app = web.Application(middlewares=middlewares, client_max_size=ctx.limits.max_body_bytes + 1)
+    app[CTX] = ctx
+    r = app.router
+    r.add_post("/v1/completions", openai_routes.completions)
+    r.add_post("/v1/chat/completions", openai_routes.chat_completions)
+    r.add_get("/v1/models", openai_routes.models)
+    r.add_get("/health", probes.health)
+    r.add_get("/health_generate", probes.health_generate)
+    r.add_get("/load", probes.load)
+    r.add_get("/get_load", probes.get_load)
+    r.add_get("/metrics", probes.metrics)
+    for path in ("/get_server_info", "/server_info"):
+        r.add_get(path, probes.server_info)
+    for path in ("/get_model_info", "/model_info"):
+        r.add_get(path, probes.model_info)
+    r.add_post("/tokenize", probes.tokenize)
+    r.add_post("/detokenize", probes.detokenize)
+    r.add_post("/v1/completions/render", probes.render_completion)
+    r.add_post("/v1/chat/completions/render", probes.render_chat)
+    return app
+
+
+def make_context(cfg: ServerConfig, engine: AsyncLLMEngine, built: BuiltEngine) -> WorkerContext:
+    """The shared server state for ``cfg`` (the publisher too, when ``--redis`` is given)."""
+    table = cfg.kv_event_table or max(1024, 4 * engine.engine.num_kv_blocks)
+    ctx = WorkerContext(engine=engine, model_name=cfg.model_name, worker_id=cfg.resolved_worker_id,
+                        url=cfg.advertise_url, chunk_size=cfg.chunk_size,
+                        limits=RequestLimits(max_body_bytes=cfg.max_body_bytes), simulated=cfg.simulate,
+                        info_extra=built.info, extra_metrics=built.metrics,
+                        body_timeout=cfg.body_timeout, mapper=KVEventMapper(max_blocks=table),
+                        api_keys=tuple(cfg.api_keys))
+    if cfg.redis:
+        ctx.publisher = RedisPublisher(
+            cfg.redis, RedisKeys(cfg.redis_prefix), ctx.worker_info(), ctx.load_report,
+            heartbeat_interval=cfg.heartbeat_interval, ttl=cfg.registry_ttl,
+            stream_maxlen=cfg.kv_stream_maxlen, queue_size=cfg.publish_queue)
+    return ctx
+
+
+async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> int:
+    """Run the worker until SIGTERM/SIGINT, then drain, deregister and return 0."""
+    built = build_engine(cfg)
+    engine = built.engine
+    async_engine = AsyncLLMEngine(engine)
+    async_engine.start()
+    ctx = make_context(cfg, async_engine, built)
+    async_engine.add_kv_event_listener(ctx.on_kv_events)
+    runner = web.AppRunner(create_app(ctx), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    assert type(runner.server) is web.Server
+    runner.server.__class__ = OpenAIErrorServer  # malformed HTTP gets OpenAI-shaped JSON errors too
+    site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True)
+    await site.start()
+    if ctx.publisher is not None:
+        ctx.publisher.publish(KV_CLEARED, [])  # whatever routers believed about us is void
+        ctx.publisher.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("event=worker_ready worker=%s model=%s url=%s simulated=%s kv_blocks=%d redis=%s",
+             ctx.worker_id, ctx.model_name, ctx.url, cfg.simulate, engine.num_kv_blocks, bool(cfg.redis))
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+    await drain_and_stop(ctx, runner, async_engine, cfg.drain_timeout)
+    return 0
+
+
+async def drain_and_stop(ctx: WorkerContext, runner: web.AppRunner, engine: AsyncLLMEngine,
+                         drain_timeout: float) -> None:
+    """Refuse new work, let in-flight requests finish, deregister, and shut everything down."""
+    ctx.draining = True
+    if ctx.publisher is not None:
+        ctx.publisher.set_status("draining")
+    log.info("event=draining worker=%s inflight=%d", ctx.worker_id, ctx.inflight)
+    if not await ctx.wait_idle(drain_timeout):
+        log.warning("event=drain_timeout worker=%s inflight=%d", ctx.worker_id, ctx.inflight)
+    if ctx.publisher is not None:
+        await ctx.publisher.stop()
+    await runner.cleanup()
+    await engine.shutdown()
+    log.info("event=stopped worker=%s", ctx.worker_id)

@@ -1,0 +1,114 @@
+"""ServerConfig: every setting of ``prefixlb worker`` (the server, and the engine it builds), one schema for flags, env and YAML.
+
+Flags are the field names with dashes (``--kv-blocks``), environment variables
+``PREFIXLB_WORKER_<FIELD>`` (``PREFIXLB_WORKER_KV_BLOCKS``), YAML keys the field names
+(``--config FILE``); precedence defaults < YAML < env < flags (protocol/settings.py).
+"""
+from __future__ import annotations
+
+import re
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from protocol.hashing import DEFAULT_CHUNK_SIZE
+from protocol.keys import DEFAULT_PREFIX
+from protocol.settings import SettingsError, load_settings, setting
+
+ENV_PREFIX = "PREFIXLB_WORKER_"
+PRESETS = ("tiny", "small")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "ki": 1024,
+          "m": 1000**2, "mb": 1000**2, "mib": 1024**2, "mi": 1024**2,
+          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "gi": 1024**3,
+          "t": 1000**4, "tb": 1000**4, "tib": 1024**4, "ti": 1024**4}
+
+
+def parse_size(text: str) -> int:
+    """Bytes in a size like ``512MiB``, ``2G``, ``1.5GiB`` or ``1048576``."""
+    m = _SIZE.match(text or "")
+    unit = (m.group(2) or "").lower() if m else None
+    if not m or unit not in _UNITS:
+        raise SettingsError(f"invalid size {text!r}; use e.g. 512MiB, 2GiB or a byte count")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    """Settings of one worker process (real engine or ``--simulate``)."""
+
+    model: str = setting("tiny", "model: a preset (tiny, small) or a Hugging Face checkpoint directory")
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(8001, "port to listen on", minimum=0, maximum=65535)
+    served_model_name: str | None = setting(None, "model name clients use (default: the preset or directory name)")
+    kv_blocks: int | None = setting(None, "number of KV-cache blocks (wins over --kv-memory)", minimum=1)
+    kv_memory: str | None = setting(None, "KV-cache size, e.g. 512MiB (simulated: per GPU)")
+    block_size: int = setting(16, "tokens per KV block", minimum=1, maximum=1024)
+    max_num_seqs: int | None = setting(None, "most sequences in one batch (default 32; simulated 256)", minimum=1)
+    max_num_batched_tokens: int | None = setting(
+        None, "token budget of one engine step (default 2048; simulated 8192)", minimum=1)
+    max_model_len: int | None = setting(None, "longest prompt + output (default: the model's)", minimum=1)
+    attention_backend: str = setting("auto", "attention implementation", choices=("auto", "triton", "torch"))
+    device: str = setting("cpu", "torch device of the real engine (cpu, cuda)")
+    threads: int | None = setting(None, "torch CPU threads (default: torch's choice)", minimum=1)
+    seed: int = setting(0, "engine seed (sampling without a per-request seed)")
+    worker_id: str | None = setting(None, "this worker's id (default: <host>-<port>)")
+    chunk_size: int = setting(DEFAULT_CHUNK_SIZE, "router chunk size in bytes, for KV events", minimum=1)
+    redis: str | None = setting(None, "Redis URL: register, heartbeat load, publish KV events")
+    redis_prefix: str = setting(DEFAULT_PREFIX, "prefix of every Redis key")
+    advertise: str | None = setting(None, "URL routers use to reach this worker (default: http://host:port)")
+    heartbeat_interval: float = setting(0.5, "seconds between load reports", minimum=0.05, maximum=60)
+    registry_ttl: float = setting(5.0, "seconds a registration lives without a heartbeat", minimum=1)
+    kv_stream_maxlen: int = setting(100_000, "approximate bound of the Redis KV-event stream", minimum=100)
+    publish_queue: int = setting(10_000, "events buffered while Redis is slow or down (oldest dropped)", minimum=1)
+    kv_event_table: int | None = setting(None, "block->chunk mapping entries kept (default: 4 x KV blocks)", minimum=1)
+    max_body_bytes: int = setting(16 * 1024 * 1024, "largest request body accepted (413 above)", minimum=1024)
+    body_timeout: float = setting(30.0, "seconds a client may take to send its body (408 after)", minimum=0.1)
+    drain_timeout: float = setting(30.0, "seconds SIGTERM waits for in-flight requests", minimum=0)
+    api_keys: list[str] = setting(list, "API key required as 'Authorization: Bearer <key>' on /v1/* "
+                                  "(repeatable; none: open)", flag="--api-key", secret=True)
+    simulate: bool = setting(False, "serve a simulated GPU: latency model instead of a model")
+    gpu: str = setting("H100-80G", "simulated GPU profile (A100-80G, H100-80G, H200)")
+    sim_model: str = setting("llama-3-8b", "simulated model profile (llama-3-8b, llama-3-70b)")
+    sim_tp: int | None = setting(None, "simulated tensor-parallel degree (default: smallest that fits)", minimum=1)
+    time_scale: float = setting(1.0, "simulated worker runs this many times faster than real time", minimum=1e-3)
+    sim_output_len: int = setting(256, "simulated tokens before EOS (unless ignore_eos / max_tokens)", minimum=1)
+    log_level: str = setting("info", "log level", choices=("debug", "info", "warning", "error"))
+
+    @property
+    def model_name(self) -> str:
+        """The name clients send as ``model``."""
+        if self.served_model_name:
+            return self.served_model_name
+        if self.simulate:
+            return self.sim_model
+        if self.model in PRESETS:
+            return self.model
+        return Path(self.model).resolve().name or self.model
+
+    @property
+    def resolved_worker_id(self) -> str:
+        """The worker id: ``--worker-id`` or ``<hostname>-<port>``."""
+        return self.worker_id or f"{socket.gethostname()}-{self.port}"
+
+    @property
+    def advertise_url(self) -> str:
+        """The URL other processes reach this worker at."""
+        if self.advertise:
+            return self.advertise.rstrip("/")
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def kv_memory_bytes(self) -> int | None:
+        """``--kv-memory`` in bytes."""
+        return parse_size(self.kv_memory) if self.kv_memory else None
+
+
+def load_server_config(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> ServerConfig:
+    """Read a ServerConfig from ``argv`` (``prefixlb worker`` flags), env and ``--config``."""
+    cfg = load_settings(ServerConfig, argv, env_prefix=ENV_PREFIX, environ=environ)
+    if cfg.kv_memory:
+        parse_size(cfg.kv_memory)  # refuse a bad size now, not when the engine starts
+    return cfg

@@ -1,0 +1,85 @@
+"""The worker's Prometheus metrics (``GET /metrics``), in one registry per server.
+
+Engine state (KV blocks, queue lengths, cumulative token counters) is read from the engine's
+latest stats snapshot at scrape time, so the engine thread never touches Prometheus; latency
+histograms are observed by the server as outputs arrive. Names follow Prometheus conventions:
+``prefixlb_worker_`` prefix, base units in the name, ``_total`` for counters.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from worker.engine.stats import EngineStats
+
+P = "prefixlb_worker_"
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4,
+                   0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _EngineCollector:
+    """Turns the engine's stats snapshot (and the publisher's counters) into metric families."""
+
+    def __init__(self, stats: Callable[[], EngineStats], extra: Callable[[], dict[str, float]]) -> None:
+        self._stats = stats
+        self._extra = extra
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        counters = {
+            "prefix_cache_queried_tokens": (s.prefix_cache_queries, "prompt tokens looked up in the prefix cache"),
+            "prefix_cache_hit_tokens": (s.prefix_cache_hits, "prompt tokens served from the prefix cache"),
+            "preemptions": (s.num_preemptions, "requests preempted (recomputed later) for lack of KV blocks"),
+            "prompt_tokens": (s.prompt_tokens_total, "prompt tokens of admitted requests"),
+            "generation_tokens": (s.generation_tokens_total, "tokens generated"),
+            "engine_steps": (s.num_steps, "engine steps run"),
+        }
+        for name, (value, doc) in counters.items():
+            yield CounterMetricFamily(P + name, doc, value=value)
+        gauges = {
+            "kv_blocks_used": (s.used_blocks, "KV blocks referenced by live requests"),
+            "kv_blocks_free": (s.free_blocks, "KV blocks holding nothing"),
+            "kv_blocks_cached": (s.cached_blocks, "unreferenced KV blocks holding reusable cached KV"),
+            "kv_blocks": (s.total_blocks, "KV blocks in the pool"),
+            "kv_usage_ratio": (s.kv_usage, "used / total KV blocks"),
+            "requests_running": (s.running, "requests in the running batch"),
+            "requests_waiting": (s.waiting, "requests waiting to be scheduled"),
+            "queued_prefill_tokens": (s.queued_prefill_tokens, "prompt tokens still to prefill"),
+            "prefill_tokens_per_second": (s.prefill_tokens_per_s, "measured prefill throughput (EMA)"),
+            "decode_step_seconds": (s.decode_step_s, "measured decode step time (EMA)"),
+        }
+        for name, (value, doc) in gauges.items():
+            yield GaugeMetricFamily(P + name, doc, value=value)
+        for name, value in self._extra().items():
+            if name.endswith("_total"):
+                yield CounterMetricFamily(P + name[:-len("_total")], name, value=value)
+            else:
+                yield GaugeMetricFamily(P + name, name, value=value)
+
+
+class WorkerMetrics:
+    """All metrics of one worker server; :meth:`render` gives the exposition text."""
+
+    def __init__(self, stats: Callable[[], EngineStats],
+                 extra: Callable[[], dict[str, float]] = dict) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_EngineCollector(stats, extra))  # type: ignore[arg-type]
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "arrival to first token",
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram(P + "inter_token_latency_seconds", "time between consecutive tokens",
+                             buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram(P + "e2e_request_latency_seconds", "arrival to last token",
+                             buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.requests = Counter(P + "requests", "finished requests", ["endpoint", "finish_reason"],
+                                registry=self.registry)
+        self.errors = Counter(P + "request_errors", "requests answered with an error", ["status"],
+                              registry=self.registry)
+        self.cached_tokens = Counter(P + "cached_prompt_tokens", "cached_tokens reported in usage",
+                                     registry=self.registry)
+
+    def render(self) -> bytes:
+        """Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
