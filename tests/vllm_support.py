@@ -25,9 +25,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.support import ROOT, free_port, http_ok
-
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+from bench.vllm_server import VLLM_PYTHON, VllmServer, start_vllm
+from tests.support import ROOT
 MODEL_NAME = "tiny"
 NUM_SERVERS = 2
 START_TIMEOUT_S = float(os.environ.get("PREFIXLB_VLLM_START_TIMEOUT", "420"))
@@ -44,51 +43,6 @@ def vllm_missing_reason() -> str | None:
     if not VLLM_PYTHON.exists():
         return f"{VLLM_PYTHON} is missing: run `make vllm` (scripts/ensure-vllm.sh)"
     return None
-
-
-@dataclass
-class VllmServer:
-    """One running vLLM API server and its KV-event sockets."""
-
-    name: str
-    port: int
-    kv_port: int
-    replay_port: int
-    popen: subprocess.Popen
-    log: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def kv_endpoint(self) -> str:
-        """Where a SUB socket connects to receive this server's KV events."""
-        return f"tcp://127.0.0.1:{self.kv_port}"
-
-    @property
-    def replay_endpoint(self) -> str:
-        """vLLM's ROUTER socket that resends buffered batches from a sequence number on."""
-        return f"tcp://127.0.0.1:{self.replay_port}"
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
-
-    def stop(self) -> None:
-        """SIGTERM the server's process group (API server, engine core, worker), then SIGKILL."""
-        if self.popen.poll() is not None:
-            return
-        try:
-            os.killpg(self.popen.pid, 15)
-            self.popen.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.popen.pid, 9)
-            self.popen.wait(10)
-        except ProcessLookupError:
-            pass
 
 
 @dataclass
@@ -112,37 +66,19 @@ def save_checkpoint(directory: Path, preset: str = MODEL_NAME) -> Path:
     return directory
 
 
-def start_server(checkpoint: Path, name: str, log_dir: Path, cpu: int | None = None,
+def start_server(checkpoint: Path, name: str, log_dir: Path, cpu: int | None = None, max_model_len: int = 4096,
                  extra_args: list[str] | None = None) -> VllmServer:
-    """Start one vLLM server on free ports (returns at once; see :func:`wait_ready`)."""
-    port, kv_port, replay_port = free_port(), free_port(), free_port()
-    kv_config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{kv_port}",
-                 "replay_endpoint": f"tcp://*:{replay_port}", "topic": "kv"}
-    args = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
-            "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
-            "--dtype", "float32", "--max-model-len", "4096", "--max-num-seqs", "32",
-            "--enable-prefix-caching", "--enable-prompt-tokens-details",
-            "--kv-events-config", json.dumps(kv_config), *(extra_args or [])]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1",
-           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
-    if cpu is not None:  # one core each, so two servers do not share the same one
-        env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu)
-    log = log_dir / f"{name}.log"
-    with open(log, "wb") as fh:
-        popen = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=log_dir,
-                                 start_new_session=True)
-    return VllmServer(name=name, port=port, kv_port=kv_port, replay_port=replay_port, popen=popen, log=log)
+    """Start one vLLM server with KV events on free ports (returns at once; see :func:`wait_ready`)."""
+    # Compilation mode 0 (eager, as vLLM's own CPU CI runs): torch inductor's start-up compile
+    # costs minutes on 2 shared cores and changes nothing these tests look at.
+    return start_vllm(checkpoint, name, log_dir, MODEL_NAME, cpu=cpu, max_model_len=max_model_len,
+                      extra_args=["--max-num-seqs", "32", "--compilation-config", '{"mode": 0}',
+                                  *(extra_args or [])])
 
 
 def wait_ready(server: VllmServer, deadline: float) -> None:
-    """Poll ``GET /health`` until 200; raise with the log tail if it died or the deadline passed."""
-    while time.monotonic() < deadline:
-        if not server.alive():
-            raise RuntimeError(f"vLLM {server.name} exited ({server.popen.returncode}):\n{server.output()[-4000:]}")
-        if http_ok(server.url + "/health", timeout=2.0):
-            return
-        time.sleep(0.5)
-    raise TimeoutError(f"vLLM {server.name} not healthy after {START_TIMEOUT_S:.0f}s:\n{server.output()[-4000:]}")
+    """Wait until ``server`` answers ``/health`` (raises with its log if it died or timed out)."""
+    server.wait_ready(deadline)
 
 
 class BackgroundFleet:

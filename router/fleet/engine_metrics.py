@@ -135,6 +135,45 @@ def _label_int(labels: dict[str, str], key: str) -> int | None:
         return None
 
 
+# Cumulative counters per engine: EngineScrape field -> metric (summed over its samples).
+_COUNTERS = {
+    VLLM: {
+        "prompt_tokens_total": "vllm:prompt_tokens_total",
+        "cached_prompt_tokens_total": "vllm:prefix_cache_hits_total",
+        "generation_tokens_total": "vllm:generation_tokens_total",
+        "prefill_computed_tokens_sum": "vllm:request_prefill_kv_computed_tokens_sum",
+        "prefill_time_sum": "vllm:request_prefill_time_seconds_sum",
+        "prompt_requests_count": "vllm:request_prompt_tokens_count",
+        "inter_token_latency_sum": "vllm:inter_token_latency_seconds_sum",
+        "inter_token_latency_count": "vllm:inter_token_latency_seconds_count",
+    },
+    SGLANG: {
+        "prompt_tokens_total": "sglang:prompt_tokens_total",
+        "cached_prompt_tokens_total": "sglang:cached_tokens_total",
+        "generation_tokens_total": "sglang:generation_tokens_total",
+        "prompt_requests_count": "sglang:num_requests_total",
+        "inter_token_latency_sum": "sglang:inter_token_latency_seconds_sum",
+        "inter_token_latency_count": "sglang:inter_token_latency_seconds_count",
+    },
+}
+# Load gauges per engine: (running, waiting, kv usage).
+_GAUGES = {
+    VLLM: ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"),
+    SGLANG: ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage"),
+}
+# SGLang's scheduler gauges repeat per tensor/pipeline-parallel rank: count rank 0 only.
+_GAUGE_LABELS = {VLLM: {}, SGLANG: {"tp_rank": "0", "pp_rank": "0"}}
+
+
+def _scrape(kind: str, s: _Samples, ts: float, **pool: object) -> EngineScrape:
+    match = _GAUGE_LABELS[kind]
+    running, waiting, usage = (s.total(name, **match) for name in _GAUGES[kind])
+    models = sorted({labels["model_name"] for labels, _ in s.all(_GAUGES[kind][0]) if "model_name" in labels})
+    counters = {field_: s.total(name) for field_, name in _COUNTERS[kind].items()}
+    return EngineScrape(kind=kind, ts=ts, running=_int(running), waiting=_int(waiting),
+                        kv_usage=_clamp01(usage), models=tuple(models), **counters, **pool)  # type: ignore[arg-type]
+
+
 def _vllm(s: _Samples, ts: float) -> EngineScrape:
     block_size = total_blocks = None
     for labels, _ in s.all("vllm:cache_config_info"):
@@ -151,51 +190,16 @@ def _vllm(s: _Samples, ts: float) -> EngineScrape:
         running_loras = tuple(a for a in labels.get("running_lora_adapters", "").split(",") if a)
         waiting_loras = tuple(a for a in labels.get("waiting_lora_adapters", "").split(",") if a)
         max_lora = _label_int(labels, "max_lora")
-    models = sorted({labels["model_name"] for labels, _ in s.all("vllm:num_requests_running")
-                     if "model_name" in labels})
-    return EngineScrape(
-        kind=VLLM, ts=ts,
-        running=_int(s.total("vllm:num_requests_running")),
-        waiting=_int(s.total("vllm:num_requests_waiting")),
-        kv_usage=_clamp01(s.total("vllm:kv_cache_usage_perc")),
-        block_size=block_size, total_blocks=total_blocks,
-        capacity_tokens=block_size * total_blocks if block_size and total_blocks else None,
-        prompt_tokens_total=s.total("vllm:prompt_tokens_total"),
-        cached_prompt_tokens_total=s.total("vllm:prefix_cache_hits_total"),
-        generation_tokens_total=s.total("vllm:generation_tokens_total"),
-        prefill_computed_tokens_sum=s.total("vllm:request_prefill_kv_computed_tokens_sum"),
-        prefill_time_sum=s.total("vllm:request_prefill_time_seconds_sum"),
-        prompt_requests_count=s.total("vllm:request_prompt_tokens_count"),
-        inter_token_latency_sum=s.total("vllm:inter_token_latency_seconds_sum"),
-        inter_token_latency_count=s.total("vllm:inter_token_latency_seconds_count"),
-        models=tuple(models), lora_running=running_loras, lora_waiting=waiting_loras,
-        max_lora=max_lora)
+    return _scrape(VLLM, s, ts, block_size=block_size, total_blocks=total_blocks,
+                   capacity_tokens=block_size * total_blocks if block_size and total_blocks else None,
+                   lora_running=running_loras, lora_waiting=waiting_loras, max_lora=max_lora)
 
 
 def _sglang(s: _Samples, ts: float) -> EngineScrape:
-    first_rank = {"tp_rank": "0", "pp_rank": "0"}
-
-    def gauge(name: str) -> float | None:
-        return s.total(name, **first_rank)
-
-    capacity = gauge("sglang:max_total_num_tokens")
-    models = sorted({labels["model_name"] for labels, _ in s.all("sglang:num_running_reqs")
-                     if "model_name" in labels})
-    return EngineScrape(
-        kind=SGLANG, ts=ts,
-        running=_int(gauge("sglang:num_running_reqs")),
-        waiting=_int(gauge("sglang:num_queue_reqs")),
-        kv_usage=_clamp01(gauge("sglang:token_usage")),
-        # SGLang's radix cache pages tokens one by one (page size 1 by default).
-        block_size=1 if capacity else None, total_blocks=_int(capacity) or None,
-        capacity_tokens=_int(capacity) or None,
-        prompt_tokens_total=s.total("sglang:prompt_tokens_total"),
-        cached_prompt_tokens_total=s.total("sglang:cached_tokens_total"),
-        generation_tokens_total=s.total("sglang:generation_tokens_total"),
-        prompt_requests_count=s.total("sglang:num_requests_total"),
-        inter_token_latency_sum=s.total("sglang:inter_token_latency_seconds_sum"),
-        inter_token_latency_count=s.total("sglang:inter_token_latency_seconds_count"),
-        models=tuple(models))
+    capacity = _int(s.total("sglang:max_total_num_tokens", **_GAUGE_LABELS[SGLANG])) or None
+    # SGLang's radix cache pages tokens one by one (page size 1 by default).
+    return _scrape(SGLANG, s, ts, block_size=1 if capacity else None, total_blocks=capacity,
+                   capacity_tokens=capacity)
 
 
 def _clamp01(value: float | None) -> float:

@@ -35,7 +35,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="prefixlb-capture-"))
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"
     server = start_server(save_checkpoint(work / "tiny-hf"), "capture", work,
-                          extra_args=["--num-gpu-blocks-override", "16", "--max-model-len", "1024"])
+                          max_model_len=1024, extra_args=["--num-gpu-blocks-override", "16"])
     try:
         wait_ready(server, time.monotonic() + 600)
         url = server.url

@@ -12,7 +12,7 @@ import json
 import pytest
 
 from worker.engine.model.byte_tokenizer_files import BOS_TOKEN, EOS_TOKEN, save_byte_tokenizer
-from worker.engine.tokenizer import BYTE_BOS_ID, BYTE_EOS_ID, ByteTokenizer, HFTokenizer
+from worker.engine.tokenizer import BYTE_BOS_ID, BYTE_EOS_ID, ByteTokenizer, HFTokenizer, byte_level_alphabet
 
 TEXTS = ["", "Grüße, 世界! 👋🏽 ok", "  two  spaces\tand\ttabs\n\nnewlines ", "<|user|>\nnot special",
          bytes(range(32, 127)).decode(), "\x00\x01\x7f control"]
@@ -43,9 +43,11 @@ def test_every_byte_and_both_special_tokens_keep_their_ids(saved):
     tok = Tokenizer.from_file(str(saved / "tokenizer.json"))
     assert tok.get_vocab_size(with_added_tokens=True) == 258
     assert (tok.token_to_id(BOS_TOKEN), tok.token_to_id(EOS_TOKEN)) == (BYTE_BOS_ID, BYTE_EOS_ID)
-    text = "".join(chr(c) for c in range(256))  # U+0000..U+00FF: every byte value occurs in its UTF-8
-    ids = tok.encode(text, add_special_tokens=False).ids
-    assert ids == list(text.encode("utf-8")) and set(ids) == set(range(256))
+    alphabet = byte_level_alphabet()  # byte -> the printable character ByteLevel spells it as
+    assert tok.get_vocab(with_added_tokens=True) == {**{alphabet[b]: b for b in range(256)},
+                                                    BOS_TOKEN: BYTE_BOS_ID, EOS_TOKEN: BYTE_EOS_ID}
+    text = "".join(chr(c) for c in range(0x800))  # 1- and 2-byte UTF-8: bytes 0x00-0x7F, 0x80-0xDF
+    assert tok.encode(text, add_special_tokens=False).ids == list(text.encode("utf-8"))
 
 
 @pytest.mark.parametrize("text", TEXTS)

@@ -104,7 +104,7 @@ def test_sglang_prefill_speed_is_computed_tokens_over_wall_time_only_while_busy(
 
 
 @pytest.mark.parametrize("text, message", [
-    ("# HELP x y\nnot a metric line {{{\n", "not Prometheus"),
+    ("vllm:num_requests_running{model_name=\"m\" 3\n", "not Prometheus"),
     ("http_requests_total 3\n", "neither"),
     ("", "neither"),
 ])

@@ -1,0 +1,201 @@
+"""prefixlb's engine against vLLM on the very same checkpoint, in the same run (issue 11, item 5).
+
+    python -m bench.engines [--rounds 5] [--model small] [--json FILE] [--profile DIR]
+
+The ``small`` preset is saved with ``prefixlb model save small DIR`` and served by three
+servers at once: vLLM 0.32 (``.venv-vllm``, its CPU backend: one compute thread, its own
+kernels) and prefixlb's worker twice, with torch's default threads and with ``--threads 1``.
+Each round sends every server, one after the other in a rotating order (only one is busy at a
+time), 16 concurrent requests of 128 prompt tokens (BOS + 127 bytes, a first block no other
+request shares, so nothing is a cache hit) and 64 output tokens, greedy, EOS ignored. Per
+server and round: output tokens / wall time, and output tokens / CPU seconds of the server's
+whole process group (the steadier number on a shared machine: waiting for a core does not
+count). Printed: medians, and each prefixlb variant's ratio to vLLM (median over rounds of the
+per-round ratio).
+
+``--profile DIR`` runs one more round per prefixlb variant under ``py-spy record`` (install
+py-spy into .venv first) and writes the flame-graph input (``*.folded``) and a top-20 of
+self time per variant.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from bench.process_group import group_cpu_seconds, stop_group
+from bench.vllm_server import ROOT, VLLM_PYTHON, free_port, start_vllm, wait_healthy
+
+MODEL = "small"
+CONCURRENCY = 16
+PROMPT_TOKENS = 128
+OUTPUT_TOKENS = 64
+
+
+@dataclass
+class Target:
+    """A server under test: its URL and process group."""
+
+    name: str
+    url: str
+    popen: subprocess.Popen
+    log: Path
+    results: list[dict] = field(default_factory=list)
+
+
+def prompts(round_no: int, target: str) -> list[str]:
+    """16 prompts of 127 bytes (+ BOS = 128 tokens) whose first block no other request shares."""
+    out = []
+    for i in range(CONCURRENCY):
+        head = f"[{target} r{round_no} #{i}] "
+        out.append((head + "The quick brown fox jumps over the lazy dog. " * 4)[:PROMPT_TOKENS - 1])
+    return out
+
+
+async def _one(session: aiohttp.ClientSession, url: str, prompt: str) -> int:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": OUTPUT_TOKENS, "temperature": 0,
+            "ignore_eos": True}
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        data = await resp.json()
+        if resp.status != 200:
+            raise RuntimeError(f"{url}: HTTP {resp.status}: {data}")
+        usage = data["usage"]
+        if usage["prompt_tokens"] != PROMPT_TOKENS:
+            raise RuntimeError(f"{url}: {usage['prompt_tokens']} prompt tokens, expected {PROMPT_TOKENS}")
+        return int(usage["completion_tokens"])
+
+
+async def run_round(target: Target, round_no: int) -> dict:
+    """16 concurrent requests; output tokens per wall second and per CPU second of the server."""
+    timeout = aiohttp.ClientTimeout(total=900)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        cpu0, t0 = group_cpu_seconds(target.popen.pid), time.perf_counter()
+        counts = await asyncio.gather(*(_one(session, target.url, p) for p in prompts(round_no, target.name)))
+        wall, cpu = time.perf_counter() - t0, group_cpu_seconds(target.popen.pid) - cpu0
+    tokens = sum(counts)
+    if tokens != CONCURRENCY * OUTPUT_TOKENS:
+        raise RuntimeError(f"{target.name}: {tokens} output tokens, expected {CONCURRENCY * OUTPUT_TOKENS}")
+    return {"round": round_no, "wall_s": wall, "cpu_s": cpu, "tok_per_s": tokens / wall,
+            "tok_per_cpu_s": tokens / cpu if cpu > 0 else 0.0}
+
+
+def start_worker(checkpoint: Path, name: str, log_dir: Path, threads: int | None) -> Target:
+    port = free_port()
+    args = [sys.executable, "-m", "prefixlb", "worker", "--model", str(checkpoint), "--served-model-name",
+            MODEL, "--port", str(port)] + (["--threads", str(threads)] if threads else [])
+    log = log_dir / f"{name}.log"
+    with open(log, "wb") as fh:
+        popen = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+    return Target(name, f"http://127.0.0.1:{port}", popen, log)
+
+
+def profile_round(target: Target, round_no: int, out_dir: Path) -> list[tuple[str, float]]:
+    """One round under py-spy (all threads, native frames off); the top-20 self-time functions."""
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    folded = out_dir / f"{target.name}.folded"
+    spy = subprocess.Popen([py_spy, "record", "--format", "raw", "--output", str(folded), "--rate", "200",
+                            "--pid", str(target.popen.pid), "--nonblocking"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)  # py-spy attaching; the round below is what it samples
+    asyncio.run(run_round(target, round_no))
+    spy.send_signal(2)
+    spy.wait(60)
+    self_time: Counter = Counter()
+    total = 0
+    for line in folded.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        idle = any(f.startswith(("select ", "_run_once ", "poll ", "wait ")) for f in frames[-1:])
+        if not idle:
+            self_time[frames[-1]] += int(count)
+        total += int(count)
+    return [(frame, n / total) for frame, n in self_time.most_common(20)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.engines", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--model", default=MODEL, help="preset to save and serve (default: small)")
+    parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--profile", type=Path, default=None, help="py-spy the prefixlb workers into DIR")
+    args = parser.parse_args(argv)
+    if not VLLM_PYTHON.exists():
+        print(f"bench.engines: {VLLM_PYTHON} missing: run `make vllm`", file=sys.stderr)
+        return 2
+    work = Path(tempfile.mkdtemp(prefix="prefixlb-engines-"))
+    checkpoint = work / args.model
+    subprocess.run([sys.executable, "-m", "prefixlb", "model", "save", args.model, str(checkpoint)],
+                   cwd=ROOT, check=True, capture_output=True)
+    targets: list[Target] = []
+    try:
+        vllm = start_vllm(checkpoint, "vllm", work, MODEL, kv_events=False)
+        targets.append(Target("vllm", vllm.url, vllm.popen, vllm.log))
+        targets.append(start_worker(checkpoint, "prefixlb", work, threads=None))
+        targets.append(start_worker(checkpoint, "prefixlb-t1", work, threads=1))
+        deadline = time.monotonic() + 900
+        for t in targets:
+            wait_healthy(t.url, t.popen, deadline, t.name, t.log)
+        for t in targets:  # warm-up: first-request compilation and allocation out of the measurement
+            asyncio.run(run_round(t, -1))
+        for r in range(args.rounds):
+            order = targets[r % len(targets):] + targets[:r % len(targets)]
+            for t in order:
+                t.results.append(asyncio.run(run_round(t, r)))
+                print(f"round {r} {t.name:12s} {t.results[-1]['tok_per_s']:7.1f} tok/s "
+                      f"{t.results[-1]['tok_per_cpu_s']:7.1f} tok/cpu-s", flush=True)
+        summary = summarize(targets)
+        if args.profile is not None:
+            args.profile.mkdir(parents=True, exist_ok=True)
+            summary["profile"] = {t.name: profile_round(t, 1000, args.profile) for t in targets[1:]}
+        print_summary(summary)
+        if args.json:
+            Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+        return 0
+    finally:
+        for t in targets:
+            stop_group(t.popen)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def summarize(targets: list[Target]) -> dict:
+    """Medians per server, and each prefixlb variant's per-round ratio to vLLM (median)."""
+    base = targets[0]
+    out: dict = {"config": {"concurrency": CONCURRENCY, "prompt_tokens": PROMPT_TOKENS,
+                            "output_tokens": OUTPUT_TOKENS, "rounds": len(base.results)}, "servers": {}}
+    for t in targets:
+        entry = {k: statistics.median(r[k] for r in t.results) for k in ("tok_per_s", "tok_per_cpu_s")}
+        if t is not base:
+            entry["ratio_to_vllm"] = statistics.median(
+                r["tok_per_s"] / b["tok_per_s"] for r, b in zip(t.results, base.results))
+            entry["cpu_ratio_to_vllm"] = statistics.median(
+                r["tok_per_cpu_s"] / b["tok_per_cpu_s"] for r, b in zip(t.results, base.results))
+        entry["rounds"] = t.results
+        out["servers"][t.name] = entry
+    return out
+
+
+def print_summary(summary: dict) -> None:
+    print(f"\n{'server':14s} {'tok/s':>8s} {'tok/cpu-s':>10s} {'x vLLM (wall)':>14s} {'x vLLM (cpu)':>13s}")
+    for name, e in summary["servers"].items():
+        print(f"{name:14s} {e['tok_per_s']:8.1f} {e['tok_per_cpu_s']:10.1f} "
+              f"{e.get('ratio_to_vllm', 1.0):14.2f} {e.get('cpu_ratio_to_vllm', 1.0):13.2f}")
+    for name, top in summary.get("profile", {}).items():
+        print(f"\npy-spy, {name}: share of all samples (self time; idle waits left out)")
+        for frame, share in top:
+            print(f"  {share * 100:5.1f}%  {frame}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
