@@ -5,8 +5,11 @@
 The ``small`` preset is saved with ``prefixlb model save small DIR`` and served by three
 servers at once: vLLM 0.32 (``.venv-vllm``, its CPU backend: one compute thread, its own
 kernels) and prefixlb's worker twice, with torch's default threads and with ``--threads 1``.
-Each round sends every server, one after the other in a rotating order (only one is busy at a
-time), 16 concurrent requests of 128 prompt tokens (BOS + 127 bytes, a first block no other
+vLLM binds its compute thread to a core; the ``--threads 1`` worker is pinned to the same core
+(``--core``, default 1), so that on a shared machine both compete for the very same CPU (an
+unpinned process loses more time to other work than a pinned one, which the scheduler's load
+balancing keeps off "its" core). Each round sends every server, one after the other in a
+rotating order (only one is busy at a time), 16 concurrent requests of 128 prompt tokens (BOS + 127 bytes, a first block no other
 request shares, so nothing is a cache hit) and 64 output tokens, greedy, EOS ignored. Per
 server and round: output tokens / wall time, and output tokens / CPU seconds of the server's
 whole process group (the steadier number on a shared machine: waiting for a core does not
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -34,7 +38,7 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.process_group import group_cpu_seconds, stop_group
+from bench.process_group import group_cpu_by_process, stop_group
 from bench.vllm_server import ROOT, VLLM_PYTHON, free_port, start_vllm, wait_healthy
 
 MODEL = "small"
@@ -80,23 +84,28 @@ async def run_round(target: Target, round_no: int) -> dict:
     """16 concurrent requests; output tokens per wall second and per CPU second of the server."""
     timeout = aiohttp.ClientTimeout(total=900)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        cpu0, t0 = group_cpu_seconds(target.popen.pid), time.perf_counter()
+        cpu0, t0 = group_cpu_by_process(target.popen.pid), time.perf_counter()
         counts = await asyncio.gather(*(_one(session, target.url, p) for p in prompts(round_no, target.name)))
-        wall, cpu = time.perf_counter() - t0, group_cpu_seconds(target.popen.pid) - cpu0
+        wall, cpu1 = time.perf_counter() - t0, group_cpu_by_process(target.popen.pid)
+    per_process = {name: cpu1[name] - cpu0.get(name, 0.0) for name in cpu1}
+    cpu = sum(per_process.values())
     tokens = sum(counts)
     if tokens != CONCURRENCY * OUTPUT_TOKENS:
         raise RuntimeError(f"{target.name}: {tokens} output tokens, expected {CONCURRENCY * OUTPUT_TOKENS}")
-    return {"round": round_no, "wall_s": wall, "cpu_s": cpu, "tok_per_s": tokens / wall,
-            "tok_per_cpu_s": tokens / cpu if cpu > 0 else 0.0}
+    return {"round": round_no, "wall_s": wall, "cpu_s": cpu, "cpu_s_by_process": per_process,
+            "tok_per_s": tokens / wall, "tok_per_cpu_s": tokens / cpu if cpu > 0 else 0.0}
 
 
-def start_worker(checkpoint: Path, name: str, log_dir: Path, threads: int | None) -> Target:
+def start_worker(checkpoint: Path, name: str, log_dir: Path, threads: int | None, core: int | None = None) -> Target:
+    """prefixlb's worker on ``checkpoint`` (pinned to ``core`` when given)."""
     port = free_port()
     args = [sys.executable, "-m", "prefixlb", "worker", "--model", str(checkpoint), "--served-model-name",
             MODEL, "--port", str(port)] + (["--threads", str(threads)] if threads else [])
     log = log_dir / f"{name}.log"
+    pin = (lambda: os.sched_setaffinity(0, {core})) if core is not None else None
     with open(log, "wb") as fh:
-        popen = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+        popen = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+                                 preexec_fn=pin)
     return Target(name, f"http://127.0.0.1:{port}", popen, log)
 
 
@@ -130,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=MODEL, help="preset to save and serve (default: small)")
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--profile", type=Path, default=None, help="py-spy the prefixlb workers into DIR")
+    parser.add_argument("--core", type=int, default=1, help="the core vLLM and the --threads 1 worker run on")
     args = parser.parse_args(argv)
     if not VLLM_PYTHON.exists():
         print(f"bench.engines: {VLLM_PYTHON} missing: run `make vllm`", file=sys.stderr)
@@ -140,10 +150,10 @@ def main(argv: list[str] | None = None) -> int:
                    cwd=ROOT, check=True, capture_output=True)
     targets: list[Target] = []
     try:
-        vllm = start_vllm(checkpoint, "vllm", work, MODEL, kv_events=False)
+        vllm = start_vllm(checkpoint, "vllm", work, MODEL, cpu=args.core, kv_events=False)
         targets.append(Target("vllm", vllm.url, vllm.popen, vllm.log))
         targets.append(start_worker(checkpoint, "prefixlb", work, threads=None))
-        targets.append(start_worker(checkpoint, "prefixlb-t1", work, threads=1))
+        targets.append(start_worker(checkpoint, "prefixlb-t1", work, threads=1, core=args.core))
         deadline = time.monotonic() + 900
         for t in targets:
             wait_healthy(t.url, t.popen, deadline, t.name, t.log)
@@ -181,6 +191,9 @@ def summarize(targets: list[Target]) -> dict:
                 r["tok_per_s"] / b["tok_per_s"] for r, b in zip(t.results, base.results))
             entry["cpu_ratio_to_vllm"] = statistics.median(
                 r["tok_per_cpu_s"] / b["tok_per_cpu_s"] for r, b in zip(t.results, base.results))
+        names = {n for r in t.results for n in r["cpu_s_by_process"]}
+        entry["cpu_share_by_process"] = {n: statistics.median(r["cpu_s_by_process"].get(n, 0.0) / r["cpu_s"]
+                                                              for r in t.results if r["cpu_s"] > 0) for n in names}
         entry["rounds"] = t.results
         out["servers"][t.name] = entry
     return out
@@ -191,6 +204,10 @@ def print_summary(summary: dict) -> None:
     for name, e in summary["servers"].items():
         print(f"{name:14s} {e['tok_per_s']:8.1f} {e['tok_per_cpu_s']:10.1f} "
               f"{e.get('ratio_to_vllm', 1.0):14.2f} {e.get('cpu_ratio_to_vllm', 1.0):13.2f}")
+    for name, e in summary["servers"].items():
+        shares = ", ".join(f"{n} {v * 100:.0f}%" for n, v in sorted(e["cpu_share_by_process"].items(),
+                                                                 key=lambda kv: -kv[1]))
+        print(f"CPU time of {name} by process: {shares}")
     for name, top in summary.get("profile", {}).items():
         print(f"\npy-spy, {name}: share of all samples (self time; idle waits left out)")
         for frame, share in top:

@@ -25,18 +25,25 @@ def stop_group(popen: subprocess.Popen, timeout: float = 20.0) -> None:
         pass
 
 
-def group_cpu_seconds(pgid: int) -> float:
-    """User + system CPU seconds of every live process in process group ``pgid`` (Linux /proc)."""
+def group_cpu_by_process(pgid: int) -> dict[str, float]:
+    """User + system CPU seconds per process name (``comm``) of the live processes in group ``pgid``."""
     tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
+    out: dict[str, float] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+                head, _, rest = f.read().rpartition(")")
         except OSError:
             continue
+        fields = rest.split()
         if int(fields[2]) == pgid:  # after the command: state, ppid, pgrp, ...; utime, stime at 11, 12
-            total += (int(fields[11]) + int(fields[12])) / tick
-    return total
+            name = head.split("(", 1)[1]
+            out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """User + system CPU seconds of every live process in process group ``pgid`` (Linux /proc)."""
+    return sum(group_cpu_by_process(pgid).values())
