@@ -109,27 +109,33 @@ def start_worker(checkpoint: Path, name: str, log_dir: Path, threads: int | None
     return Target(name, f"http://127.0.0.1:{port}", popen, log)
 
 
-def profile_round(target: Target, round_no: int, out_dir: Path) -> list[tuple[str, float]]:
-    """One round under py-spy (all threads, native frames off); the top-20 self-time functions."""
+PY_SPY_RATE = 200
+
+
+def profile_round(target: Target, round_no: int, out_dir: Path) -> dict:
+    """One round under py-spy: the top-20 self-time functions, and how much of the round's wall
+    time py-spy saw the engine thread busy (py-spy counts a thread idle only while it sleeps:
+    waiting for a core counts as busy)."""
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     folded = out_dir / f"{target.name}.folded"
-    spy = subprocess.Popen([py_spy, "record", "--format", "raw", "--output", str(folded), "--rate", "200",
+    spy = subprocess.Popen([py_spy, "record", "--format", "raw", "--output", str(folded), "--rate", str(PY_SPY_RATE),
                             "--pid", str(target.popen.pid), "--nonblocking"],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(1.0)  # py-spy attaching; the round below is what it samples
-    asyncio.run(run_round(target, round_no))
+    result = asyncio.run(run_round(target, round_no))
     spy.send_signal(2)
     spy.wait(60)
     self_time: Counter = Counter()
-    total = 0
+    total = engine = 0
     for line in folded.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
-        frames = stack.split(";")
-        idle = any(f.startswith(("select ", "_run_once ", "poll ", "wait ")) for f in frames[-1:])
-        if not idle:
-            self_time[frames[-1]] += int(count)
+        self_time[stack.split(";")[-1]] += int(count)
         total += int(count)
-    return [(frame, n / total) for frame, n in self_time.most_common(20)]
+        if "AsyncLLMEngine._run " in stack:
+            engine += int(count)
+    return {"wall_s": result["wall_s"], "cpu_s": result["cpu_s"],
+            "engine_thread_busy_s": engine / PY_SPY_RATE,
+            "top": [(frame, n / total) for frame, n in self_time.most_common(20)]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,9 +214,10 @@ def print_summary(summary: dict) -> None:
         shares = ", ".join(f"{n} {v * 100:.0f}%" for n, v in sorted(e["cpu_share_by_process"].items(),
                                                                  key=lambda kv: -kv[1]))
         print(f"CPU time of {name} by process: {shares}")
-    for name, top in summary.get("profile", {}).items():
-        print(f"\npy-spy, {name}: share of all samples (self time; idle waits left out)")
-        for frame, share in top:
+    for name, prof in summary.get("profile", {}).items():
+        print(f"\npy-spy, {name}: round {prof['wall_s']:.1f} s wall, {prof['cpu_s']:.1f} s CPU, engine thread "
+              f"busy {prof['engine_thread_busy_s']:.1f} s; share of the busy samples (self time):")
+        for frame, share in prof["top"]:
             print(f"  {share * 100:5.1f}%  {frame}")
 
 

@@ -153,19 +153,29 @@ def test_vllm_metrics_become_a_load_report_with_measured_speeds(vllm):
     assert (before.kind, before.block_size, before.models) == (VLLM, BLOCK_SIZE, (MODEL_NAME,))
     assert before.total_blocks and before.capacity_tokens == before.total_blocks * BLOCK_SIZE
     tag = _tag()
-    threads = [threading.Thread(target=_completion, args=(vllm.url, f"{tag}-{i} " + "m" * 300),
-                                kwargs={"max_tokens": 64, "ignore_eos": True}) for i in range(6)]
+    stop, done = threading.Event(), [0] * 6
+
+    def keep_sending(i: int) -> None:  # until a scrape has seen requests running
+        while not stop.is_set():
+            _completion(vllm.url, f"{tag}-{i}-{done[i]} " + "m" * 300, max_tokens=64, ignore_eos=True)
+            done[i] += 1
+
+    threads = [threading.Thread(target=keep_sending, args=(i,)) for i in range(6)]
     for t in threads:
         t.start()
-    busy = wait_for(lambda: (s := parse_engine_metrics(get_text(vllm.url + "/metrics"), time.time())).running > 0
-                    and s, timeout=60, interval=0.05, what="vLLM reporting running requests")
-    for t in threads:
-        t.join(120)
+    try:
+        busy = wait_for(lambda: (s := parse_engine_metrics(get_text(vllm.url + "/metrics"), time.time())).running > 0
+                        and s, timeout=120, interval=0.02, what="vLLM reporting running requests")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
     after = wait_for(lambda: (s := parse_engine_metrics(get_text(vllm.url + "/metrics"), time.time())).running == 0
                      and s, timeout=60, what="vLLM idle again")
     assert busy.running + busy.waiting >= 1 and busy.kv_usage > 0
-    assert after.generation_tokens_total - before.generation_tokens_total >= 6 * 64
-    assert after.prompt_tokens_total - before.prompt_tokens_total >= 6 * (len(tag) + 303)
+    sent = sum(done)
+    assert after.generation_tokens_total - before.generation_tokens_total >= sent * 64
+    assert after.prompt_tokens_total - before.prompt_tokens_total >= sent * (len(tag) + 305)
     report = load_report("vllm-0", after, before)
     assert report.running == 0 and report.block_size == BLOCK_SIZE
     assert report.prefill_tokens_per_s > 0 and 0 < report.decode_step_s < 5
