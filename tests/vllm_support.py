@@ -27,6 +27,7 @@ from pathlib import Path
 
 from bench.vllm_server import VLLM_PYTHON, VllmServer, start_vllm
 from tests.support import ROOT
+
 MODEL_NAME = "tiny"
 NUM_SERVERS = 2
 START_TIMEOUT_S = float(os.environ.get("PREFIXLB_VLLM_START_TIMEOUT", "420"))
@@ -68,17 +69,12 @@ def save_checkpoint(directory: Path, preset: str = MODEL_NAME) -> Path:
 
 def start_server(checkpoint: Path, name: str, log_dir: Path, cpu: int | None = None, max_model_len: int = 4096,
                  extra_args: list[str] | None = None) -> VllmServer:
-    """Start one vLLM server with KV events on free ports (returns at once; see :func:`wait_ready`)."""
+    """Start one vLLM server with KV events on free ports (returns at once; then ``server.wait_ready``)."""
     # Compilation mode 0 (eager, as vLLM's own CPU CI runs): torch inductor's start-up compile
     # costs minutes on 2 shared cores and changes nothing these tests look at.
     return start_vllm(checkpoint, name, log_dir, MODEL_NAME, cpu=cpu, max_model_len=max_model_len,
                       extra_args=["--max-num-seqs", "32", "--compilation-config", '{"mode": 0}',
                                   *(extra_args or [])])
-
-
-def wait_ready(server: VllmServer, deadline: float) -> None:
-    """Wait until ``server`` answers ``/health`` (raises with its log if it died or timed out)."""
-    server.wait_ready(deadline)
 
 
 class BackgroundFleet:
@@ -102,7 +98,7 @@ class BackgroundFleet:
                 fleet.servers.append(start_server(checkpoint, f"vllm-{i}", self._workdir, cpu=i % 2))
             deadline = time.monotonic() + START_TIMEOUT_S
             for server in fleet.servers:
-                wait_ready(server, deadline)
+                server.wait_ready(deadline)
             self.ready_after_s = time.monotonic() - self.started_at
         except BaseException as exc:  # noqa: BLE001 - handed to the test that asks for the fleet
             self._error = exc

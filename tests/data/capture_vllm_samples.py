@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from tests.support import wait_for
-from tests.vllm_support import MODEL_NAME, get_text, post_json, save_checkpoint, start_server, wait_ready
+from tests.vllm_support import MODEL_NAME, get_text, post_json, save_checkpoint, start_server
 
 OUT = Path(__file__).resolve().parent
 SHARED = "You are a careful assistant. " * 10  # 290 characters: two full blocks with BOS
@@ -37,7 +37,7 @@ def main() -> int:
     server = start_server(save_checkpoint(work / "tiny-hf"), "capture", work,
                           max_model_len=1024, extra_args=["--num-gpu-blocks-override", "16"])
     try:
-        wait_ready(server, time.monotonic() + 600)
+        server.wait_ready(time.monotonic() + 600)
         url = server.url
         (OUT / "vllm_metrics_idle.txt").write_text(get_text(url + "/metrics"))
         scenario = []
