@@ -7,12 +7,12 @@ import math
 import pytest
 
 from protocol.settings import SettingsError, parse_setting
-from router.config import DEFAULT_AFFINITY, RouterConfig, load_router_config
+from router.config import RouterConfig, load_router_config
 from router.context import ConfigError, build_context
 from router.routing.balancer import Balancer
 from router.routing.index import PrefixIndex
 from router.routing.load import SpeedProfile
-from router.routing.policy import PolicyConfig
+from router.routing.policy import DEFAULT_AFFINITY, PolicyConfig
 
 
 @pytest.fixture
