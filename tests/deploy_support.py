@@ -159,9 +159,10 @@ def doc_metric_names(markdown: str) -> set[str]:
 
 
 def markdown_anchors(markdown: str) -> set[str]:
-    """GitHub's heading anchors: lower case, punctuation dropped, spaces to dashes."""
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to dashes (a ``#`` line
+    inside a fenced code block is a comment, not a heading)."""
     anchors = set()
-    for line in markdown.splitlines():
+    for line in re.sub(r"^```.*?^```", "", markdown, flags=re.S | re.M).splitlines():
         m = re.match(r"^#{1,6}\s+(.*)$", line)
         if m:
             anchors.add(re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-"))

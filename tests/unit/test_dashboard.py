@@ -99,7 +99,7 @@ def test_workers_out_of_rotation_are_the_states_the_router_does_not_route_to():
     assert set(value.split("|")) == set(ROUTABLE)
 
 
-def test_alert_rules_are_complete_and_point_at_the_operations_guide():
+def test_alert_rules_are_complete_and_their_runbook_urls_are_headings_of_the_operations_guide():
     rules = [r for g in yaml.safe_load(ALERTS_FILE.read_text())["groups"] for r in g["rules"]]
     anchors = markdown_anchors((ROOT / "docs/operations.md").read_text())
     names = [r["alert"] for r in rules]
@@ -109,8 +109,10 @@ def test_alert_rules_are_complete_and_point_at_the_operations_guide():
         assert re.fullmatch(r"\d+[smh]", rule["for"]), rule["alert"]
         assert rule["labels"]["severity"] in ("warning", "critical")
         assert rule["annotations"]["summary"] and rule["annotations"]["description"]
-        path, _, anchor = rule["annotations"]["runbook"].partition("#")
-        assert path == "docs/operations.md" and anchor in anchors, rule["annotations"]["runbook"]
+        # runbook_url: the annotation name Alertmanager templates and Grafana link to.
+        assert set(rule["annotations"]) == {"summary", "description", "runbook_url"}, rule["alert"]
+        path, _, anchor = rule["annotations"]["runbook_url"].partition("#")
+        assert path == "docs/operations.md" and anchor in anchors, rule["annotations"]["runbook_url"]
         assert rule["expr"].count("(") == rule["expr"].count(")"), rule["alert"]
 
 
