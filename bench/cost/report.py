@@ -125,6 +125,11 @@ def _reads(x: float | None) -> str:
     return "never" if x is None else f"{x:.4f}"
 
 
+def _per_ttl(models: Sequence[dict]):
+    """(model row, TTL, its numbers) for every hosted model and TTL."""
+    return ((m, ttl, t) for m in models for ttl, t in m["ttl"].items())
+
+
 def render_markdown(summary: dict) -> str:
     """``report.md`` for a summary."""
     src = summary["source"]
@@ -141,39 +146,32 @@ def render_markdown(summary: dict) -> str:
               "w + r·k against 1 + k without the cache: it pays when k > (w − 1)/(1 − r).", "",
               "| book | model | TTL | write × | read × | pays above k reads | fewest paying reads |",
               "|---|---|---|---|---|---|---|"]
-    for m in hosted:
-        for ttl, t in m["ttl"].items():
-            fewest = "never" if t["min_paying_reads"] is None else t["min_paying_reads"]
-            lines.append(f"| {m['book']} | {m['model']} | {ttl} | {t['write_multiplier']:g} | {t['read_multiplier']:g} | "
-                         f"{_reads(t['break_even_reads'])} | {fewest} |")
+    for m, ttl, t in _per_ttl(hosted):
+        fewest = "never" if t["min_paying_reads"] is None else t["min_paying_reads"]
+        lines.append(f"| {m['book']} | {m['model']} | {ttl} | {t['write_multiplier']:g} | {t['read_multiplier']:g} | "
+                     f"{_reads(t['break_even_reads'])} | {fewest} |")
     lines.append("")
     if summary["prefix_information"]:
         lines += ["## Savings from caching (hosted, cache replayed with each TTL)", "",
                   "| book | model | TTL | no cache (USD) | with cache (USD) | saved (USD) | saved | read tokens | "
                   "written tokens | reads per write |", "|---|---|---|---|---|---|---|---|---|---|"]
-        for m in hosted:
-            for ttl, t in m["ttl"].items():
-                lines.append(f"| {m['book']} | {m['model']} | {ttl} | {_usd(t['no_cache_usd'])} | {_usd(t['cost_usd'])} | "
-                             f"{_usd(t['saved_usd'])} | {t['saved_fraction']:.1%} | {t['read_tokens']:,} | "
-                             f"{t['write_tokens']:,} | {t['reads_per_write']:.2f} |")
+        lines += [f"| {m['book']} | {m['model']} | {ttl} | {_usd(t['no_cache_usd'])} | {_usd(t['cost_usd'])} | "
+                  f"{_usd(t['saved_usd'])} | {t['saved_fraction']:.1%} | {t['read_tokens']:,} | "
+                  f"{t['write_tokens']:,} | {t['reads_per_write']:.2f} |" for m, ttl, t in _per_ttl(hosted)]
         lines += ["", "## Reuse of each write within its TTL", "",
                   "How many times each written prefix was read before it expired.", ""]
-        for m in hosted:
-            for ttl, t in m["ttl"].items():
-                hist = t["reuse_histogram"]
-                lines.append(f"- {m['book']} / {m['model']} / {ttl}: {t['writes']:,} writes; reads "
-                             + ", ".join(f"{k}: {v:,}" for k, v in hist.items()))
+        lines += [f"- {m['book']} / {m['model']} / {ttl}: {t['writes']:,} writes; reads "
+                  + ", ".join(f"{k}: {v:,}" for k, v in t["reuse_histogram"].items()) for m, ttl, t in _per_ttl(hosted)]
         lines += ["", "## Writes that did not pay", "",
                   "A write pays when its reads exceed the break-even count; below it the write premium was lost "
                   "(censored = still alive when the trace ended, so it might have paid later).", "",
                   "| book | model | TTL | unpaid writes | of all writes | censored | tokens | lost (USD) |",
                   "|---|---|---|---|---|---|---|---|"]
-        for m in hosted:
-            for ttl, t in m["ttl"].items():
-                u = t["unpaid_writes"]
-                share = u["writes"] / t["writes"] if t["writes"] else 0.0
-                lines.append(f"| {m['book']} | {m['model']} | {ttl} | {u['writes']:,} | {share:.1%} | {u['censored']:,} | "
-                             f"{u['tokens']:,} | {_usd(u['loss_usd'])} |")
+        for m, ttl, t in _per_ttl(hosted):
+            u = t["unpaid_writes"]
+            share = u["writes"] / t["writes"] if t["writes"] else 0.0
+            lines.append(f"| {m['book']} | {m['model']} | {ttl} | {u['writes']:,} | {share:.1%} | {u['censored']:,} | "
+                         f"{u['tokens']:,} | {_usd(u['loss_usd'])} |")
         for m in hosted:
             losing = m["ttl"]["5m"]["top_losing_prefixes"]
             if losing:

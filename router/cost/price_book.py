@@ -37,9 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-import yaml
-
 from protocol.messages import ATTENTION_KNEE_TOKENS
+from router.yaml_file import read_yaml
 
 TTLS = ("5m", "1h")
 _HOSTED_KEYS = {"input_per_mtok", "output_per_mtok", "cache_read_multiplier", "cache_write_5m_multiplier",
@@ -200,14 +199,7 @@ def parse_price_book(data: Any, name: str = "price book",
 
 def load_price_book(path: str | Path, prefill_speed: PrefillSpeed | None = None) -> PriceBook:
     """Read and validate the YAML price book at ``path`` (named after the file unless it says)."""
-    path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise PriceBookError(f"cannot read price book {path}: {exc}") from None
-    except yaml.YAMLError as exc:
-        raise PriceBookError(f"{path}: not valid YAML: {exc}") from None
-    return parse_price_book(data, path.stem, prefill_speed)
+    return parse_price_book(read_yaml(path, PriceBookError, "price book"), Path(path).stem, prefill_speed)
 
 
 # The source texts' representative multipliers, input side only, in units of the input price

@@ -47,11 +47,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-import yaml
-
 from router.virtual_models.judges.format import JsonSchemaJudge, RegexJudge
 from router.virtual_models.judges.logprob import LogprobJudge
 from router.virtual_models.judges.verdict import ON_ERROR
+from router.yaml_file import read_yaml
 
 JUDGE_KEYS: dict[str, set[str]] = {
     "logprob": {"threshold", "quantile"},
@@ -378,13 +377,7 @@ def parse_virtual_models(data: Any, where: str = "virtual_models") -> dict[str, 
 
 def load_virtual_models(path: str | Path) -> dict[str, VirtualModel]:
     """Read ``virtual_models`` from a YAML file (the key itself, or a file holding only it)."""
-    path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise VirtualModelError(f"cannot read {path}: {exc}") from None
-    except yaml.YAMLError as exc:
-        raise VirtualModelError(f"{path}: not valid YAML: {exc}") from None
+    data = read_yaml(path, VirtualModelError, "virtual models")
     if isinstance(data, Mapping) and "virtual_models" in data:
         data = data["virtual_models"]
     return parse_virtual_models(data)

@@ -65,8 +65,9 @@ async def test_with_a_threshold_the_verifier_score_decides():
     assert seen[0]["messages"] == [{"role": "user", "content": "How many eggs?"}]
 
 
-@pytest.mark.parametrize("policy, accept", [("accept", True), ("escalate", False)])
-async def test_a_verifier_past_its_deadline_is_decided_by_the_timeout_policy(policy, accept):
+@contextlib.asynccontextmanager
+async def slow_verifier(timeout_s=0.2):
+    """An endpoint to a verifier that answers only after the test is done with it."""
     release = asyncio.Event()
 
     async def slow(body):
@@ -74,27 +75,26 @@ async def test_a_verifier_past_its_deadline_is_decided_by_the_timeout_policy(pol
         return web.json_response({"accept": True})
 
     async with serve(slow) as (url, _):
-        endpoint = ScoringEndpoint(url, timeout_s=0.2)
+        endpoint = ScoringEndpoint(url, timeout_s=timeout_s)
+        try:
+            yield endpoint
+        finally:
+            release.set()
+            await endpoint.close()
+
+
+@pytest.mark.parametrize("policy, accept", [("accept", True), ("escalate", False)])
+async def test_a_verifier_past_its_deadline_is_decided_by_the_timeout_policy(policy, accept):
+    async with slow_verifier() as endpoint:
         verdict = await decide(VerifierJudge(endpoint, on_error=policy), CAND)
-        release.set()
-        await endpoint.close()
     assert (verdict.accept, verdict.failed, verdict.reason) == (accept, True, "timeout")
     assert verdict.latency_s >= 0.2
 
 
 async def test_a_verifier_timeout_with_the_fail_policy_fails_the_request():
-    release = asyncio.Event()
-
-    async def slow(body):
-        await release.wait()
-        return web.json_response({"accept": True})
-
-    async with serve(slow) as (url, _):
-        endpoint = ScoringEndpoint(url, timeout_s=0.2)
+    async with slow_verifier() as endpoint:
         with pytest.raises(JudgeUnavailable, match="timeout"):
             await decide(VerifierJudge(endpoint, on_error="fail"), CAND)
-        release.set()
-        await endpoint.close()
 
 
 @pytest.mark.parametrize("handler, reason", [
