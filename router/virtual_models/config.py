@@ -48,7 +48,6 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from router.virtual_models.judges.format import JsonSchemaJudge, RegexJudge
-from router.virtual_models.judges.logprob import LogprobJudge
 from router.virtual_models.judges.verdict import ON_ERROR
 from router.yaml_file import read_yaml
 
