@@ -17,6 +17,7 @@ SUBCOMMANDS = {
     "sim": "offline fleet simulator in virtual time (same policies, no HTTP)",
     "sweep": "sweep affinity 0..1 in the fleet simulator and plot hit rate vs p99 TTFT",
     "model": "model utilities: `model save tiny DIR` writes a Hugging Face checkpoint",
+    "cost": "what prefix caching saves on a trace or a run, priced with price books",
 }
 
 # What the base install lacks, by the extra that brings it (pyproject.toml's optional
