@@ -35,7 +35,7 @@ class RouterConfig:
                                  flag="--worker")
     policy: str = setting(DEFAULT_POLICY, "routing policy", choices=policy_names)
     affinity: float = setting(DEFAULT_AFFINITY, "affinity strength a in [0, 1] (0: least pending work, 1: follow "
-                              "the cache); see docs/routing.md (Affinity strength)", minimum=0.0, maximum=1.0)
+                              'the cache); see docs/routing.md, "Affinity strength"', minimum=0.0, maximum=1.0)
     redis: str | None = setting(None, "Redis URL for shared state (none: everything in memory)")
     redis_prefix: str = setting(DEFAULT_PREFIX, "prefix of every Redis key")
     admin_token: str | None = setting(None, "bearer token of the /admin/ API (unset: admin API refused)",
