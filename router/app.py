@@ -14,7 +14,7 @@ from aiohttp import web
 
 from protocol.http_errors import OpenAIErrorServer
 from router.http.admin import admin_app
-from router.http.api import CONTEXT, add_routes, error_middleware
+from router.http.api import CONTEXT, add_routes, middlewares
 from router.config import RouterConfig
 from router.context import RouterContext, build_context, start, stop
 
@@ -23,7 +23,7 @@ log = logging.getLogger("prefixlb.router")
 
 def build_app(ctx: RouterContext) -> web.Application:
     """An application serving ``ctx`` (its parts are started by :func:`serve`)."""
-    app = web.Application(middlewares=[error_middleware], client_max_size=ctx.config.max_body_bytes)
+    app = web.Application(middlewares=middlewares(ctx.config.api_keys), client_max_size=ctx.config.max_body_bytes)
     app[CONTEXT] = ctx
     add_routes(app)
     app.add_subapp("/admin/", admin_app())

@@ -8,7 +8,8 @@ Lifecycle of ``serve(config)``::
     -> wait for in-flight requests (--drain-timeout) -> deregister -> close -> exit 0
 
 Routes are in worker/server/api/: openai_routes (completions, chat, models), probes (health, load,
-metrics, server/model info, tokenize, render), errors (the one exception-to-HTTP mapping).
+metrics, server/model info, tokenize, render), errors (the worker's exceptions in OpenAI's shape).
+The error and API-key middlewares are protocol's, shared with the router.
 """
 from __future__ import annotations
 
@@ -20,12 +21,12 @@ from typing import Callable
 
 from aiohttp import web
 
+from protocol.api_keys import api_key_middleware
 from protocol.http_errors import OpenAIErrorServer
 from protocol.keys import RedisKeys
 from protocol.messages import KV_CLEARED
 from protocol.openai_api import RequestLimits
 from worker.server.api import openai_routes, probes
-from worker.server.api.auth import api_key_middleware
 from worker.server.api.context import CTX, WorkerContext
 from worker.server.api.errors import error_middleware
 from worker.engine.async_engine import AsyncLLMEngine

@@ -42,7 +42,7 @@ class WorkerContext:
     info_extra: dict = field(default_factory=dict)  # shown by /get_server_info
     extra_metrics: Callable[[], dict[str, float]] | None = None  # e.g. the simulator's clock
     body_timeout: float = 30.0
-    api_keys: tuple[str, ...] = ()  # required on /v1/* when set (worker/server/api/auth.py)
+    api_keys: tuple[str, ...] = ()  # required on /v1/* when set (protocol/api_keys.py)
     mapper: KVEventMapper = field(default_factory=KVEventMapper)
     publisher: RedisPublisher | None = None
     metrics: WorkerMetrics = field(init=False)
