@@ -113,8 +113,9 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
         headers["Authorization"] = f"Bearer {cfg.worker_api_key}"
     elif cfg.api_keys:
         headers.pop("Authorization", None)  # the client's key is for this router, not the workers
-    preq = ProxyRequest(request.path, upstream_body, prompt, parsed.stream, parsed.include_usage, affinity,
-                        headers, ctx.registry.excluded_for(parsed.model))
+    preq = ProxyRequest(path=request.path, body=upstream_body, prompt=prompt, stream=parsed.stream,
+                        client_wants_usage=parsed.include_usage, affinity=affinity, headers=headers,
+                        exclude=ctx.registry.excluded_for(parsed.model))
     return await ctx.proxy.handle(request, preq)
 
 
