@@ -45,6 +45,7 @@ from aiohttp import web
 from protocol.openai_api import SERVER_ERROR, SERVICE_UNAVAILABLE, OpenAIError, error_body
 from router.http.admission import RETRY_AFTER_S, Admission, Overloaded
 from router.routing.balancer import Balancer, Booking
+from router.fleet.connections import WorkerConnections
 from router.fleet.health import refused
 from router.metrics import RouterMetrics
 from router.routing.policy import Decision, NoCapacity
@@ -121,39 +122,21 @@ def upstream_failed(failure: _Failed | None) -> OpenAIError:
 
 
 class Proxy:
-    """Forwards requests to workers through one pooled client session."""
+    """Forwards requests to workers through the router's pooled ``connections``."""
 
     def __init__(self, balancer: Balancer, registry: WorkerRegistry, metrics: RouterMetrics,
-                 connect_timeout: float, read_timeout: float, max_attempts: int,
-                 retry_deadline_s: float = 30.0, admission: Admission | None = None) -> None:
+                 connections: WorkerConnections, max_attempts: int, retry_deadline_s: float = 30.0,
+                 admission: Admission | None = None) -> None:
         self.balancer = balancer
         self.registry = registry
         self.metrics = metrics
+        self.connections = connections
         self.max_attempts = max_attempts
         self.retry_deadline_s = retry_deadline_s
         self.admission = admission if admission is not None else Admission()
-        self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout, sock_read=read_timeout)
-        self._session: aiohttp.ClientSession | None = None
         self._guards: dict[str, set] = {}
         registry.on_unavailable.append(self.abort_worker)
         registry.on_removed.append(self._forget)
-
-    async def start(self) -> None:
-        """Open the pooled session to the workers."""
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=75.0)
-        self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout,
-                                              auto_decompress=False)
-
-    async def close(self) -> None:
-        """Close the session (and its pooled connections)."""
-        if self._session is not None:
-            await self._session.close()
-
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        """The pooled client session (for other requests to workers, e.g. pre-warming)."""
-        assert self._session is not None
-        return self._session
 
     def abort_worker(self, worker_id: str) -> int:
         """Expire every attempt in progress on ``worker_id`` now; returns how many."""
@@ -185,7 +168,6 @@ class Proxy:
     # -- the request ------------------------------------------------------------------------
     async def handle(self, request: web.Request, preq: ProxyRequest) -> web.StreamResponse:
         """Admit, route ``preq`` and answer ``request`` with the chosen worker's response."""
-        assert self._session is not None
         loop = asyncio.get_running_loop()
         arrived = loop.time()
         admission = self.admission
@@ -288,9 +270,8 @@ class Proxy:
 
     async def _send(self, url: str, preq: ProxyRequest) -> tuple[aiohttp.ClientResponse, bytes]:
         """POST to the worker; then its first bytes (streaming 200) or its whole body (otherwise)."""
-        assert self._session is not None
         try:
-            upstream = await self._session.post(url + preq.path, data=preq.body, headers=preq.headers)
+            upstream = await self.connections.session.post(url + preq.path, data=preq.body, headers=preq.headers)
         except asyncio.TimeoutError as exc:
             raise _Failed("timeout", "timed out connecting") from exc
         except (aiohttp.ClientError, OSError) as exc:

@@ -14,6 +14,7 @@ The error and API-key middlewares are protocol's, shared with the router.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 from dataclasses import dataclass
@@ -105,18 +106,17 @@ def create_app(ctx: WorkerContext) -> web.Application:
 def make_context(cfg: ServerConfig, engine: AsyncLLMEngine, built: BuiltEngine) -> WorkerContext:
     """The shared server state for ``cfg`` (the publisher too, when ``--redis`` is given)."""
     table = cfg.kv_event_table or max(1024, 4 * engine.engine.num_kv_blocks)
-    ctx = WorkerContext(engine=engine, model_name=cfg.model_name, worker_id=cfg.resolved_worker_id,
-                        url=cfg.advertise_url, chunk_size=cfg.chunk_size,
-                        limits=RequestLimits(max_body_bytes=cfg.max_body_bytes), simulated=cfg.simulate,
-                        info_extra=built.info, extra_metrics=built.metrics,
-                        body_timeout=cfg.body_timeout, mapper=KVEventMapper(max_blocks=table),
-                        api_keys=tuple(cfg.api_keys))
+    publisher = None
     if cfg.redis:
-        ctx.publisher = RedisPublisher(
-            cfg.redis, RedisKeys(cfg.redis_prefix), ctx.worker_info(), ctx.load_report,
-            heartbeat_interval=cfg.heartbeat_interval, ttl=cfg.registry_ttl,
-            stream_maxlen=cfg.kv_stream_maxlen, queue_size=cfg.publish_queue)
-    return ctx
+        publisher = functools.partial(RedisPublisher, cfg.redis, RedisKeys(cfg.redis_prefix),
+                                      heartbeat_interval=cfg.heartbeat_interval, ttl=cfg.registry_ttl,
+                                      stream_maxlen=cfg.kv_stream_maxlen, queue_size=cfg.publish_queue)
+    return WorkerContext(engine=engine, model_name=cfg.model_name, worker_id=cfg.resolved_worker_id,
+                         url=cfg.advertise_url, chunk_size=cfg.chunk_size,
+                         limits=RequestLimits(max_body_bytes=cfg.max_body_bytes), simulated=cfg.simulate,
+                         info_extra=built.info, extra_metrics=built.metrics,
+                         body_timeout=cfg.body_timeout, mapper=KVEventMapper(max_blocks=table),
+                         api_keys=tuple(cfg.api_keys), publisher_factory=publisher)
 
 
 async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> int:

@@ -27,6 +27,9 @@ from worker.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("prefixlb.worker.server")
 
+# (registry entry, load-report provider) -> publisher: RedisPublisher with its settings bound.
+PublisherFactory = Callable[[WorkerInfo, Callable[[], LoadReport]], RedisPublisher]
+
 
 @dataclass(slots=True)
 class WorkerContext:
@@ -44,7 +47,9 @@ class WorkerContext:
     body_timeout: float = 30.0
     api_keys: tuple[str, ...] = ()  # required on /v1/* when set (protocol/api_keys.py)
     mapper: KVEventMapper = field(default_factory=KVEventMapper)
-    publisher: RedisPublisher | None = None
+    # With --redis: builds the publisher from this worker's registry entry and load reports.
+    publisher_factory: PublisherFactory | None = None
+    publisher: RedisPublisher | None = field(init=False, default=None)
     metrics: WorkerMetrics = field(init=False)
     draining: bool = False
     inflight: int = 0
@@ -54,6 +59,8 @@ class WorkerContext:
 
     def __post_init__(self) -> None:
         self.metrics = WorkerMetrics(self.engine.stats, self._extra_metrics)
+        if self.publisher_factory is not None:
+            self.publisher = self.publisher_factory(self.worker_info(), self.load_report)
         self._idle.set()
 
     @property
