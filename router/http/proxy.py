@@ -71,7 +71,7 @@ NOT_HEALTH = ("aborted", "draining", "unknown")
 DONE_EVENT = b"data: [DONE]\n\n"
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True)
 class ProxyRequest:
     """A validated request, ready to route: ``body`` is what the worker gets (``headers`` too),
     ``client_wants_usage`` whether the client asked for the usage chunk the router always asks
