@@ -9,9 +9,9 @@ Two doors lead here:
   engine); anything else is a bug, logged with its traceback and answered 500 ``server_error``
   without details, and the server keeps serving.
 - :class:`OpenAIErrorServer`: malformed HTTP (oversized or too many headers, bad framing), which
-  aiohttp answers with plain text before any handler or middleware runs. Both servers swap their
-  ``web.Server``'s class for it (``runner.server.__class__ = OpenAIErrorServer`` after
-  ``runner.setup()``) so that clients get a JSON 4xx like every other error.
+  aiohttp answers with plain text before any handler or middleware runs. Both servers run their
+  app with :func:`app_runner`, which swaps the ``web.Server``'s class for it so that clients get
+  a JSON 4xx like every other error.
 """
 from __future__ import annotations
 
@@ -102,3 +102,14 @@ class OpenAIErrorServer(web.Server):
 
     def __call__(self) -> web.RequestHandler:
         return OpenAIErrorRequestHandler(self, loop=self._loop, **self._kwargs)
+
+
+async def app_runner(app: web.Application) -> web.AppRunner:
+    """``app``'s runner, set up as both servers run: a client that disconnects cancels its
+    handler (which aborts its work), no access log (the servers log events), and malformed HTTP
+    answered by :class:`OpenAIErrorServer`."""
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    assert type(runner.server) is web.Server
+    runner.server.__class__ = OpenAIErrorServer  # only changes which handler class it builds
+    return runner

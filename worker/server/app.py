@@ -23,7 +23,7 @@ from typing import Callable
 from aiohttp import web
 
 from protocol.api_keys import api_key_middleware
-from protocol.http_errors import OpenAIErrorServer
+from protocol.http_errors import app_runner
 from protocol.keys import RedisKeys
 from protocol.messages import KV_CLEARED
 from protocol.openai_api import RequestLimits
@@ -127,10 +127,7 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> int:
     async_engine.start()
     ctx = make_context(cfg, async_engine, built)
     async_engine.add_kv_event_listener(ctx.on_kv_events)
-    runner = web.AppRunner(create_app(ctx), handler_cancellation=True, access_log=None)
-    await runner.setup()
-    assert type(runner.server) is web.Server
-    runner.server.__class__ = OpenAIErrorServer  # malformed HTTP gets OpenAI-shaped JSON errors too
+    runner = await app_runner(create_app(ctx))  # malformed HTTP gets OpenAI-shaped JSON errors too
     site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True)
     await site.start()
     if ctx.publisher is not None:
