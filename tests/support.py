@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, TypeVar
 
-from protocol.loopback import free_port, wait_http_ok
+from protocol.loopback import free_port, http_ok, wait_http_ok
 
-__all__ = ["ROOT", "Proc", "free_port", "processes", "spawn", "wait_for"]
+__all__ = ["ROOT", "Proc", "free_port", "http_ok", "processes", "spawn", "wait_for"]
 
 ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")

@@ -24,6 +24,7 @@ from worker.server.kv_events import KVEventMapper, request_chunks
 from worker.server.metrics import WorkerMetrics
 from worker.server.publisher import RedisPublisher
 from worker.engine.tokenizer import Tokenizer
+from worker.simulator.recorded import RecordedAnswers
 
 log = logging.getLogger("prefixlb.worker.server")
 
@@ -46,6 +47,7 @@ class WorkerContext:
     extra_metrics: Callable[[], dict[str, float]] | None = None  # e.g. the simulator's clock
     body_timeout: float = 30.0
     api_keys: tuple[str, ...] = ()  # required on /v1/* when set (protocol/api_keys.py)
+    recorded: RecordedAnswers | None = None  # the simulator's recorded-answer mode: prompts it can answer
     mapper: KVEventMapper = field(default_factory=KVEventMapper)
     # With --redis: builds the publisher from this worker's registry entry and load reports.
     publisher_factory: PublisherFactory | None = None
