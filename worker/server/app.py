@@ -31,18 +31,15 @@ from worker.server.api import openai_routes, probes
 from worker.server.api.context import CTX, WorkerContext
 from worker.server.api.errors import error_middleware
 from worker.engine.async_engine import AsyncLLMEngine
-from worker.engine.config import EngineConfig
+from worker.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, EngineConfig
 from worker.engine.llm_engine import LLMEngine
 from worker.server.kv_events import KVEventMapper
 from worker.server.publisher import RedisPublisher
 from worker.server.config import ServerConfig
+from worker.simulator.profiles import SIM_MAX_NUM_BATCHED_TOKENS, SIM_MAX_NUM_SEQS
 from worker.simulator.recorded import RecordedAnswers
 
 log = logging.getLogger("prefixlb.worker.server")
-
-SIM_DEFAULT_MAX_NUM_SEQS = 256
-SIM_DEFAULT_MAX_BATCHED_TOKENS = 8192
-
 
 @dataclass(slots=True)
 class BuiltEngine:
@@ -65,8 +62,8 @@ def build_engine(cfg: ServerConfig) -> BuiltEngine:
         engine, runner = build_simulated_engine(
             cfg.gpu, cfg.sim_model, tp=cfg.sim_tp, time_scale=cfg.time_scale,
             block_size=cfg.block_size, num_kv_blocks=cfg.kv_blocks, kv_memory_bytes=cfg.kv_memory_bytes,
-            max_num_seqs=cfg.max_num_seqs or SIM_DEFAULT_MAX_NUM_SEQS,
-            max_num_batched_tokens=cfg.max_num_batched_tokens or SIM_DEFAULT_MAX_BATCHED_TOKENS,
+            max_num_seqs=cfg.max_num_seqs or SIM_MAX_NUM_SEQS,
+            max_num_batched_tokens=cfg.max_num_batched_tokens or SIM_MAX_NUM_BATCHED_TOKENS,
             max_model_len=cfg.max_model_len, output_len=cfg.sim_output_len, seed=cfg.seed, answers=answers)
         info = {"gpu": runner.latency.gpu.name, "sim_model": runner.latency.model.name,
                 "tp_size": runner.latency.tp, "time_scale": cfg.time_scale}
@@ -76,8 +73,9 @@ def build_engine(cfg: ServerConfig) -> BuiltEngine:
                                                   "sim_steps_total": runner.steps}, answers)
     config = EngineConfig(
         model=cfg.model, block_size=cfg.block_size, num_kv_blocks=cfg.kv_blocks,
-        kv_memory_bytes=cfg.kv_memory_bytes, max_num_seqs=cfg.max_num_seqs or 32,
-        max_num_batched_tokens=cfg.max_num_batched_tokens or 2048, max_model_len=cfg.max_model_len,
+        kv_memory_bytes=cfg.kv_memory_bytes, max_num_seqs=cfg.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
+        max_num_batched_tokens=cfg.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        max_model_len=cfg.max_model_len,
         attention_backend=cfg.attention_backend, device=cfg.device, num_threads=cfg.threads,
         seed=cfg.seed)
     return BuiltEngine(LLMEngine(config), {"device": cfg.device})

@@ -15,6 +15,8 @@ from typing import Sequence
 from protocol.hashing import DEFAULT_CHUNK_SIZE
 from protocol.keys import DEFAULT_PREFIX
 from protocol.settings import SettingsError, load_settings, setting
+from worker.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+from worker.simulator.profiles import SIM_MAX_NUM_BATCHED_TOKENS, SIM_MAX_NUM_SEQS
 
 ENV_PREFIX = "PREFIXLB_WORKER_"
 PRESETS = ("tiny", "small")
@@ -45,9 +47,12 @@ class ServerConfig:
     kv_blocks: int | None = setting(None, "number of KV-cache blocks (wins over --kv-memory)", minimum=1)
     kv_memory: str | None = setting(None, "KV-cache size, e.g. 512MiB (simulated: per GPU)")
     block_size: int = setting(16, "tokens per KV block", minimum=1, maximum=1024)
-    max_num_seqs: int | None = setting(None, "most sequences in one batch (default 32; simulated 256)", minimum=1)
+    max_num_seqs: int | None = setting(
+        None, f"most sequences in one batch (default {DEFAULT_MAX_NUM_SEQS}; simulated {SIM_MAX_NUM_SEQS})",
+        minimum=1)
     max_num_batched_tokens: int | None = setting(
-        None, "token budget of one engine step (default 2048; simulated 8192)", minimum=1)
+        None, f"token budget of one engine step (default {DEFAULT_MAX_NUM_BATCHED_TOKENS}; simulated "
+        f"{SIM_MAX_NUM_BATCHED_TOKENS})", minimum=1)
     max_model_len: int | None = setting(None, "longest prompt + output (default: the model's)", minimum=1)
     attention_backend: str = setting("auto", "attention implementation", choices=("auto", "triton", "torch"))
     device: str = setting("cpu", "torch device of the real engine (cpu, cuda)")

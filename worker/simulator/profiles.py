@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MIB = 1024 * 1024
+# The simulated worker's batch limits: a GPU's serving batch (the CPU engine's are EngineConfig's).
+SIM_MAX_NUM_SEQS = 256
+SIM_MAX_NUM_BATCHED_TOKENS = 8192
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ from worker.engine.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.runner import RunnerOutput, ScheduledBatch, ScheduledSequence, TokenLogprob
 from worker.simulator.latency import LatencyModel, StepShape
-from worker.simulator.profiles import get_gpu, get_model
+from worker.simulator.profiles import SIM_MAX_NUM_BATCHED_TOKENS, SIM_MAX_NUM_SEQS, get_gpu, get_model
 from worker.simulator.recorded import RecordedAnswers
 from worker.engine.stats import prefill_work
 from worker.engine.tokenizer import BYTE_EOS_ID, ByteTokenizer
@@ -166,7 +166,8 @@ def nominal_speed(latency: LatencyModel) -> tuple[float, float]:
 def build_simulated_engine(gpu: str, model: str, *, tp: int | None = None, time_scale: float = 1.0,
                            block_size: int = 16, num_kv_blocks: int | None = None,
                            kv_memory_bytes: int | None = None,
-                           max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+                           max_num_seqs: int = SIM_MAX_NUM_SEQS,
+                           max_num_batched_tokens: int = SIM_MAX_NUM_BATCHED_TOKENS,
                            max_model_len: int | None = None, output_len: int = 256,
                            seed: int = 0, answers: RecordedAnswers | None = None
                            ) -> tuple[LLMEngine, SimulatedRunner]:

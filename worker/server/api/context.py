@@ -15,7 +15,7 @@ from typing import Callable
 
 from aiohttp import web
 
-from protocol.hashing import namespace_seed
+from protocol.hashing import DEFAULT_CHUNK_SIZE, namespace_seed
 from protocol.messages import LoadReport, WorkerInfo
 from protocol.openai_api import RequestLimits
 from worker.engine.async_engine import AsyncLLMEngine
@@ -40,7 +40,7 @@ class WorkerContext:
     model_name: str
     worker_id: str
     url: str
-    chunk_size: int = 128
+    chunk_size: int = DEFAULT_CHUNK_SIZE
     limits: RequestLimits = field(default_factory=RequestLimits)
     simulated: bool = False
     info_extra: dict = field(default_factory=dict)  # shown by /get_server_info
