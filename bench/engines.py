@@ -39,7 +39,8 @@ from pathlib import Path
 import aiohttp
 
 from bench.process_group import group_cpu_by_process, stop_group
-from bench.vllm_server import ROOT, VLLM_PYTHON, free_port, start_vllm, wait_healthy
+from bench.vllm_server import ROOT, VLLM_PYTHON, start_vllm, wait_healthy
+from protocol.loopback import free_port
 
 MODEL = "small"
 CONCURRENCY = 16

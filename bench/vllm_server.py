@@ -16,26 +16,17 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 from bench.process_group import stop_group
+from protocol.loopback import free_port, wait_http_ok
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 KV_TOPIC = "kv"
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def vllm_command(checkpoint: Path, port: int, served_model_name: str, kv_port: int | None = None,
@@ -111,17 +102,13 @@ class VllmServer:
 
 def wait_healthy(url: str, popen: subprocess.Popen, deadline: float, name: str, log: Path) -> None:
     """Poll ``GET url/health`` until 200; raise with the log's tail if the process died or time ran out."""
-    while time.monotonic() < deadline:
-        if popen.poll() is not None:
-            raise RuntimeError(f"{name} exited ({popen.returncode}):\n{log.read_text(errors='replace')[-4000:]}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2.0) as resp:
-                if resp.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{name} not healthy in time:\n{log.read_text(errors='replace')[-4000:]}")
+    if wait_http_ok(url + "/health", max(0.0, deadline - time.monotonic()), alive=lambda: popen.poll() is None,
+                    interval=0.5):
+        return
+    tail = log.read_text(errors="replace")[-4000:] if log.exists() else ""
+    if popen.poll() is not None:
+        raise RuntimeError(f"{name} exited ({popen.returncode}):\n{tail}")
+    raise TimeoutError(f"{name} not healthy in time:\n{tail}")
 
 
 def start_vllm(checkpoint: Path, name: str, log_dir: Path, served_model_name: str, cpu: int | None = None,

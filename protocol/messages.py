@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from protocol.hashing import DEFAULT_CHUNK_SIZE
+
 T = TypeVar("T")
 
 
@@ -60,7 +62,7 @@ class WorkerInfo(_Message):
     url: str
     model: str
     block_size: int = 16
-    chunk_size: int = 128
+    chunk_size: int = DEFAULT_CHUNK_SIZE
     capacity_tokens: int = 0
     max_num_seqs: int = 0
     status: str = "ready"  # "ready" | "draining"
@@ -122,7 +124,7 @@ class KVEvent(_Message):
     worker_id: str
     kind: str
     hashes: list[int] = field(default_factory=list)
-    chunk_size: int = 128
+    chunk_size: int = DEFAULT_CHUNK_SIZE
     seq: int = 0
     ts: float = field(default_factory=time.time)
 

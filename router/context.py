@@ -16,15 +16,16 @@ from typing import Any, Iterable
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from protocol import RedisKeys
+from protocol.settings import SettingsError, parse_setting
 from router.http.admission import Admission
 from router.routing.balancer import Balancer
 from router.fleet.breaker import BreakerConfig
+from router.fleet.connections import WorkerConnections
 from router.config import RouterConfig
 from router.fleet.health import HealthChecker
 from router.routing.index import PrefixIndex
 from router.routing.load import LoadBoard
 from router.metrics import RouterMetrics
-from router.routing.policy import POLICIES
 from router.fleet.prewarm import HotPrefixes, Prewarmer
 from router.http.proxy import Proxy
 from router.fleet.registry import ROUTABLE, STATES, InvalidWorkerURL, WorkerRegistry
@@ -53,6 +54,7 @@ class RouterContext:
     proxy: Proxy
     health: HealthChecker
     prewarmer: Prewarmer
+    connections: WorkerConnections
     state: RedisState | None = None
     discovery: Any = None
     maintenance: asyncio.Task | None = None
@@ -64,32 +66,21 @@ class RouterContext:
 
     def apply_runtime(self, values: dict[str, Any]) -> dict[str, Any]:
         """Validate and apply ``affinity`` / ``policy`` / ``prewarm_top`` changes; returns the new
-        runtime config."""
+        runtime config.
+
+        Each value is converted and checked by the settings schema (``RouterConfig``'s types,
+        choices and ranges, as at start-up); nothing is applied unless all of them are valid.
+        """
         unknown = sorted(set(values) - set(RUNTIME_KEYS))
         if unknown:
             raise ConfigError(f"not changeable at run time: {', '.join(unknown)}")
-        affinity = self.config.affinity
-        policy = self.config.policy
-        if "affinity" in values:
-            try:
-                affinity = float(values["affinity"])
-            except (TypeError, ValueError):
-                raise ConfigError("affinity must be a number in [0, 1]") from None
-            if isinstance(values["affinity"], bool) or not 0.0 <= affinity <= 1.0:
-                raise ConfigError("affinity must be a number in [0, 1]")
-        if "policy" in values:
-            policy = str(values["policy"])
-            if policy not in POLICIES:
-                raise ConfigError(f"policy must be one of {', '.join(POLICIES)}")
-        prewarm_top = self.config.prewarm_top
-        if "prewarm_top" in values:
-            value = values["prewarm_top"]
-            try:
-                prewarm_top = int(value)
-            except (TypeError, ValueError):
-                raise ConfigError("prewarm_top must be an integer in [0, 1024]") from None
-            if isinstance(value, (bool, float)) or not 0 <= prewarm_top <= 1024:
-                raise ConfigError("prewarm_top must be an integer in [0, 1024]")
+        try:
+            checked = {name: parse_setting(RouterConfig, name, value) for name, value in values.items()}
+        except SettingsError as exc:
+            raise ConfigError(str(exc)) from None
+        affinity = checked.get("affinity", self.config.affinity)
+        policy = checked.get("policy", self.config.policy)
+        prewarm_top = checked.get("prewarm_top", self.config.prewarm_top)
         self.config.affinity = affinity
         self.config.policy = policy
         self.config.prewarm_top = prewarm_top
@@ -178,25 +169,28 @@ def build_context(cfg: RouterConfig) -> RouterContext:
     breaker = BreakerConfig(failure_threshold=cfg.unhealthy_after, cool_down_s=cfg.breaker_cool_down,
                             max_cool_down_s=max(cfg.breaker_cool_down, cfg.breaker_max_cool_down),
                             half_open_successes=cfg.half_open_successes)
-    registry = WorkerRegistry(balancer, cfg.unhealthy_after, breaker, cfg.half_open_max_inflight,
-                              WorkerURLPolicy(cfg.worker_allow))
     metrics = RouterMetrics()
     admission = Admission(cfg.max_inflight, cfg.max_queue, cfg.max_queue_bytes, cfg.queue_timeout)
-    proxy = Proxy(balancer, registry, metrics, cfg.connect_timeout, cfg.read_timeout, cfg.max_attempts,
-                  cfg.retry_deadline, admission)
+    connections = WorkerConnections(cfg.connect_timeout, cfg.read_timeout)
     worker_headers = {"Authorization": f"Bearer {cfg.worker_api_key}"} if cfg.worker_api_key else {}
-    health = HealthChecker(registry, cfg.health_interval, cfg.health_jitter, cfg.health_timeout, worker_headers)
     hot = HotPrefixes(max(32, 4 * cfg.prewarm_top), cfg.prewarm_max_bytes)
-    prewarmer = Prewarmer(hot, cfg.prewarm_top, cfg.prewarm_timeout, registry, balancer, metrics, cfg.chunk_size,
-                          cfg.ring_key_chunks, worker_headers)
-    registry.warmup = prewarmer.wants
-    # A worker coming back (or a new one) is capacity for requests waiting in the queue.
-    registry.on_routable.append(lambda worker_id: admission.notify())
-    ctx = RouterContext(cfg, balancer, registry, metrics, proxy, health, prewarmer)
+    prewarmer = Prewarmer(hot, cfg.prewarm_top, cfg.prewarm_timeout, connections, balancer, metrics,
+                          cfg.chunk_size, cfg.ring_key_chunks, worker_headers)
+    registry = WorkerRegistry(balancer, cfg.unhealthy_after, breaker, cfg.half_open_max_inflight,
+                              WorkerURLPolicy(cfg.worker_allow), warmup=prewarmer.wants,
+                              # A worker coming back (or a new one) is capacity for requests in the queue.
+                              on_routable=[lambda worker_id: admission.notify()])
+    proxy = Proxy(balancer, registry, metrics, connections, cfg.max_attempts, cfg.retry_deadline, admission)
+    health = HealthChecker(registry, cfg.health_interval, cfg.health_jitter, cfg.health_timeout, worker_headers)
+    state = None
     if cfg.redis:
-        ctx.state = RedisState(cfg.redis, RedisKeys(cfg.redis_prefix), balancer, registry, metrics,
-                               cfg.registry_interval, cfg.snapshot_interval, ctx._shared_config,
-                               registry_grace=cfg.registry_grace)
+        # Shared runtime config is applied to the context built just below; Redis delivers it
+        # only after start(), when ``ctx`` is bound.
+        state = RedisState(cfg.redis, RedisKeys(cfg.redis_prefix), balancer, registry, metrics,
+                           cfg.registry_interval, cfg.snapshot_interval, lambda values: ctx._shared_config(values),
+                           registry_grace=cfg.registry_grace)
+    ctx = RouterContext(config=cfg, balancer=balancer, registry=registry, metrics=metrics, proxy=proxy,
+                        health=health, prewarmer=prewarmer, connections=connections, state=state)
     metrics.add_state(ctx.state_metrics)
     for url in cfg.workers:
         registry.add(url, "flag")
@@ -205,12 +199,11 @@ def build_context(cfg: RouterConfig) -> RouterContext:
 
 async def start(ctx: RouterContext) -> None:
     """Open connections, sync from Redis, start probes and discovery (before listening)."""
-    await ctx.proxy.start()
+    await ctx.connections.open()
     if ctx.state is not None:
         await ctx.state.start(ctx.config.startup_sync_timeout)
     await ctx.health.start()
-    ctx.prewarmer.session = ctx.proxy.session
-    ctx.prewarmer.enabled = True
+    ctx.prewarmer.start()
     ctx.maintenance = asyncio.get_running_loop().create_task(_sweep_index(ctx))
     if ctx.config.k8s_selector:
         from router.fleet import k8s_discovery
@@ -232,7 +225,7 @@ async def stop(ctx: RouterContext) -> None:
     await ctx.health.close()
     if ctx.state is not None:
         await ctx.state.close(final_snapshot=True)
-    await ctx.proxy.close()
+    await ctx.connections.close()
 
 
 async def _sweep_index(ctx: RouterContext) -> None:

@@ -12,6 +12,8 @@ from typing import Any
 from worker.engine.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+DEFAULT_MAX_NUM_SEQS = 32
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 @dataclass(slots=True)
@@ -29,8 +31,8 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_memory_bytes: int | None = None
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True

@@ -15,6 +15,8 @@ from typing import Sequence
 from protocol.hashing import DEFAULT_CHUNK_SIZE
 from protocol.keys import DEFAULT_PREFIX
 from protocol.settings import SettingsError, load_settings, setting
+from worker.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+from worker.simulator.profiles import SIM_MAX_NUM_BATCHED_TOKENS, SIM_MAX_NUM_SEQS
 
 ENV_PREFIX = "PREFIXLB_WORKER_"
 PRESETS = ("tiny", "small")
@@ -45,9 +47,12 @@ class ServerConfig:
     kv_blocks: int | None = setting(None, "number of KV-cache blocks (wins over --kv-memory)", minimum=1)
     kv_memory: str | None = setting(None, "KV-cache size, e.g. 512MiB (simulated: per GPU)")
     block_size: int = setting(16, "tokens per KV block", minimum=1, maximum=1024)
-    max_num_seqs: int | None = setting(None, "most sequences in one batch (default 32; simulated 256)", minimum=1)
+    max_num_seqs: int | None = setting(
+        None, f"most sequences in one batch (default {DEFAULT_MAX_NUM_SEQS}; simulated {SIM_MAX_NUM_SEQS})",
+        minimum=1)
     max_num_batched_tokens: int | None = setting(
-        None, "token budget of one engine step (default 2048; simulated 8192)", minimum=1)
+        None, f"token budget of one engine step (default {DEFAULT_MAX_NUM_BATCHED_TOKENS}; simulated "
+        f"{SIM_MAX_NUM_BATCHED_TOKENS})", minimum=1)
     max_model_len: int | None = setting(None, "longest prompt + output (default: the model's)", minimum=1)
     attention_backend: str = setting("auto", "attention implementation", choices=("auto", "triton", "torch"))
     device: str = setting("cpu", "torch device of the real engine (cpu, cuda)")
@@ -74,6 +79,10 @@ class ServerConfig:
     sim_tp: int | None = setting(None, "simulated tensor-parallel degree (default: smallest that fits)", minimum=1)
     time_scale: float = setting(1.0, "simulated worker runs this many times faster than real time", minimum=1e-3)
     sim_output_len: int = setting(256, "simulated tokens before EOS (unless ignore_eos / max_tokens)", minimum=1)
+    sim_answers: str | None = setting(None, "simulated: answer each prompt with its recorded answer from this CSV "
+                                      "(columns prompt, <model>_response)")
+    sim_answers_model: str | None = setting(None, "simulated: the model whose recorded answers to replay "
+                                            "(its <model>_response column; default served name)")
     log_level: str = setting("info", "log level", choices=("debug", "info", "warning", "error"))
 
     @property
@@ -82,7 +91,7 @@ class ServerConfig:
         if self.served_model_name:
             return self.served_model_name
         if self.simulate:
-            return self.sim_model
+            return self.sim_answers_model or self.sim_model
         if self.model in PRESETS:
             return self.model
         return Path(self.model).resolve().name or self.model
@@ -111,4 +120,9 @@ def load_server_config(argv: Sequence[str] | None = None, environ: dict[str, str
     cfg = load_settings(ServerConfig, argv, env_prefix=ENV_PREFIX, environ=environ)
     if cfg.kv_memory:
         parse_size(cfg.kv_memory)  # refuse a bad size now, not when the engine starts
+    if cfg.sim_answers is not None and (not cfg.simulate or not cfg.sim_answers_model):
+        raise SettingsError("--sim-answers replays recorded answers on a simulated worker: it needs --simulate "
+                            "and --sim-answers-model")
+    if cfg.sim_answers_model is not None and cfg.sim_answers is None:
+        raise SettingsError("--sim-answers-model needs --sim-answers FILE")
     return cfg

@@ -3,13 +3,16 @@
 GPU peak numbers are NVIDIA's datasheet values for the SXM parts, dense bf16 (no 2:4
 sparsity); ``hbm_bytes`` is the total memory the driver reports (``nvidia-smi``), which is
 a little below the marketing size. Model shapes are the ones in each model's Hugging Face
-``config.json``. Sources and derivations are listed in docs/architecture.md ("Simulated worker").
+``config.json``. Sources and derivations are listed in docs/simulator.md ("The latency model").
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 MIB = 1024 * 1024
+# The simulated worker's batch limits: a GPU's serving batch (the CPU engine's are EngineConfig's).
+SIM_MAX_NUM_SEQS = 256
+SIM_MAX_NUM_BATCHED_TOKENS = 8192
 
 
 @dataclass(frozen=True, slots=True)
