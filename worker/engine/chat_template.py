@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from protocol.hf_chat_template import ChatTemplateError, compile_chat_template, render_chat_template
 from worker.engine.errors import InvalidRequestError
 
 
@@ -49,6 +48,9 @@ class ChatTemplate:
         self.jinja_source = jinja_source
         self._special = {"bos_token": bos_token, "eos_token": eos_token}
         if jinja_source is not None:
+            # Imported here: jinja2 comes with the worker extra, and the simulated worker runs without it.
+            from protocol.hf_chat_template import ChatTemplateError, compile_chat_template
+
             try:
                 compile_chat_template(jinja_source)
             except ChatTemplateError as exc:
@@ -60,6 +62,8 @@ class ChatTemplate:
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise InvalidRequestError("messages must be a list of objects")
         if self.jinja_source is not None:
+            from protocol.hf_chat_template import ChatTemplateError, render_chat_template
+
             try:
                 return render_chat_template(self.jinja_source, messages, tools or None,
                                             add_generation_prompt, special_tokens=self._special)
