@@ -28,10 +28,11 @@ import triton.language as tl
 from kernels.triton_decode import _dot_precision
 
 # BGMV: K chunk of the shrink, output-column tile of the expand. SGMV: rows, K chunk, columns.
+# The interpreter's cost is per program, so CPU tiles are large (the tests also run small ones).
 CUDA_BGMV = (128, 128)
-CPU_BGMV = (64, 64)
+CPU_BGMV = (256, 256)
 CUDA_SGMV = (32, 64, 64)
-CPU_SGMV = (16, 32, 32)
+CPU_SGMV = (64, 128, 128)
 
 
 @triton.jit

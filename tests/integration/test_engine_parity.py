@@ -5,13 +5,16 @@ every scenario the reference runs teacher-forced on prompt + the engine's genera
 at every generated position we compare the engine's log-probabilities over the whole vocabulary
 (``logprobs=vocab_size``: the logits up to the softmax normalisation) with the reference's
 log_softmax, within ``ATOL``; the engine's greedy token must be the reference's argmax, except
-where the reference's top-2 are closer than ``TIE_TOL`` (near-ties; counted and bounded).
+where the reference's top-2 are closer than ``TIE_TOL`` (near-ties; counted and bounded): see
+tests/parity_support.py.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tests.parity_support import ParityLog
+from tests.parity_support import assert_matches_reference as check_reference
 from worker.engine.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.kv_cache import BlockRemoved
@@ -19,11 +22,8 @@ from worker.engine.model.presets import build_preset
 from worker.engine.model.save import save_pretrained
 from worker.engine.sampling_params import SamplingParams
 
-ATOL = 2e-4  # fp32; observed max |Δ logprob| is ~2e-5
-TIE_TOL = 1e-3
 VOCAB = 258
-near_ties: list[tuple[int, float]] = []
-positions_checked = [0]
+PARITY = ParityLog()
 
 
 @pytest.fixture(scope="module")
@@ -63,27 +63,7 @@ def run(engine: LLMEngine, prompts: dict[str, list[int]], n: int):
 
 
 def assert_matches_reference(reference, prompt: list[int], outs) -> list[int]:
-    tokens = [t for o in outs for t in o.new_token_ids]
-    logprobs = [lp for o in outs for lp in (o.logprobs or [])]
-    assert len(logprobs) == len(tokens) > 0
-    with torch.no_grad():
-        ref = torch.log_softmax(reference(torch.tensor([prompt + tokens])).logits[0].float(), -1)
-    for i, (tok, lp) in enumerate(zip(tokens, logprobs)):
-        row = ref[len(prompt) - 1 + i]
-        engine_row = torch.full((VOCAB,), float("nan"))
-        for tid, value in lp.top:
-            engine_row[tid] = value
-        assert not torch.isnan(engine_row).any()
-        diff = (engine_row - row).abs().max().item()
-        assert diff < ATOL, f"position {i}: max |Δ logprob| = {diff}"
-        positions_checked[0] += 1
-        top2 = torch.topk(row, 2).values
-        gap = (top2[0] - top2[1]).item()
-        if gap < TIE_TOL:
-            near_ties.append((i, gap))
-        else:
-            assert tok == int(row.argmax()), f"position {i}: engine {tok} vs reference {int(row.argmax())}"
-    return tokens
+    return check_reference(reference, prompt, outs, PARITY, VOCAB)
 
 
 def assert_exact_accounting(engine: LLMEngine) -> None:
@@ -151,6 +131,6 @@ def test_a_pool_small_enough_to_evict_and_preempt_still_matches(checkpoint, refe
 def test_near_ties_are_rare():
     # Runs last in this module, after the scenarios above compared ~350 positions (1 near-tie
     # at the time of writing, which the engine still decided like the reference).
-    if positions_checked[0] < 300:
+    if PARITY.positions < 300:
         pytest.skip("counts near-ties over the whole module; run the module, not this test alone")
-    assert len(near_ties) <= 3, near_ties
+    assert len(PARITY.near_ties) <= 3, PARITY.near_ties
