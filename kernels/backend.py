@@ -61,14 +61,17 @@ class LoRABackend:
 
     `bgmv(y, x, a, b, slot_ids)`: per-row slots (decode);
     `sgmv(y, x, a, b, seg_starts, seg_lens, seg_slots, max_seg_len)`: segments (prefill).
+    `segments_for_decode`: feed decode rows grouped by slot to `sgmv` too (the torch reference
+    computes a segment as one matmul pair; a GPU kernel is better at one row per slot with BGMV).
     """
 
     name: str
     bgmv: Callable[..., None]
     sgmv: Callable[..., None]
+    segments_for_decode: bool = False
 
 
-TORCH_LORA_BACKEND = LoRABackend(name="torch", bgmv=lora_ref.bgmv, sgmv=lora_ref.sgmv)
+TORCH_LORA_BACKEND = LoRABackend(name="torch", bgmv=lora_ref.bgmv, sgmv=lora_ref.sgmv, segments_for_decode=True)
 
 
 def _resolve(name: str, device: torch.device) -> str:

@@ -28,6 +28,10 @@ import torch
 def _add_delta(y: torch.Tensor, rows: torch.Tensor | slice, x: torch.Tensor, a: torch.Tensor,
                b: torch.Tensor) -> None:
     """``y[rows] += (x[rows] @ a^T) @ b^T`` in fp32, rounded once into ``y``'s dtype."""
+    if y.dtype == torch.float32 and isinstance(rows, slice):
+        # In place on the view: two BLAS calls, no temporaries the size of y (the CPU engine's path).
+        y[rows].addmm_(x[rows] @ a.t(), b.t())
+        return
     xs = x[rows].float()
     delta = (xs @ a.float().t()) @ b.float().t()
     y[rows] = (y[rows].float() + delta).to(y.dtype)

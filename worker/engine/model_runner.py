@@ -123,7 +123,8 @@ class TorchModelRunner:
         for rid in batch.finished_request_ids:
             self._generators.pop(rid, None)
         lora_load_s = self._load_loras(batch) if batch.lora_loads else 0.0
-        decodes = [s for s in batch.seqs if not s.is_prefill]
+        # Decodes grouped by adapter slot: each adapter's decode rows are then one contiguous run.
+        decodes = sorted((s for s in batch.seqs if not s.is_prefill), key=lambda s: s.lora_slot)
         extends = [s for s in batch.seqs if s.is_prefill]
         ordered = decodes + extends
         bs = self.block_size

@@ -73,10 +73,11 @@ class LoRASlotWeights:
 class LoRAContext:
     """One step's token-to-slot mapping. Rows are laid out decodes first, then prefill segments.
 
-    ``slot_ids`` ``[num_decode_tokens]``: the decode rows' slots (0 = no adapter). The segments
-    cover prefill rows with an adapter: ``seg_starts`` (absolute row), ``seg_lens``,
-    ``seg_slots``. ``modules``: the target modules some adapter of this step adapts (others are
-    skipped outright).
+    ``slot_ids`` ``[num_decode_tokens]``: the decode rows' slots (0 = no adapter), for BGMV. The
+    segments cover the other rows with an adapter -- prefill rows, and the decode rows too when
+    the backend takes them as segments (``num_decode_tokens`` is then 0): ``seg_starts``
+    (absolute row), ``seg_lens``, ``seg_slots``. ``modules``: the target modules some adapter of
+    this step adapts (others are skipped outright).
     """
 
     weights: LoRASlotWeights
@@ -106,13 +107,16 @@ class LoRAContext:
 
 def build_lora_context(weights: LoRASlotWeights, backend: LoRABackend, row_slots: list[int],
                        num_decode_tokens: int, device: torch.device) -> LoRAContext | None:
-    """The context for a step whose rows (decodes first) use ``row_slots``; None if none adapts."""
+    """The context for a step whose rows (decodes first, grouped by slot) use ``row_slots``;
+    None if no row has an adapter."""
     if not any(row_slots):
         return None
+    if backend.segments_for_decode:
+        num_decode_tokens = 0
     decode = row_slots[:num_decode_tokens]
     starts, lens, slots = [], [], []
     row = num_decode_tokens
-    while row < len(row_slots):  # runs of one slot among the prefill rows
+    while row < len(row_slots):  # runs of one slot
         end = row
         while end < len(row_slots) and row_slots[end] == row_slots[row]:
             end += 1
