@@ -35,6 +35,28 @@ def reference_continuation(prompt: list[int], num_tokens: int, adapter: str | No
     return tokens[len(prompt):]
 
 
+def run_all(engine) -> tuple[dict[str, list[int]], dict]:
+    """Step ``engine`` until idle: every request's generated tokens, and its final output."""
+    tokens: dict[str, list[int]] = {}
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                finals[out.request_id] = out
+    return tokens, finals
+
+
+def assert_idle_accounting(engine) -> None:
+    """An idle engine holds no block, no request, and its pool's three states add up."""
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    pool.check_invariants()
+    assert all(b.ref_cnt == 0 for b in pool.blocks)
+    s = engine.stats()
+    assert s.free_blocks + s.cached_blocks + s.used_blocks == s.total_blocks
+    assert s.used_blocks == 0 and s.running == 0 and s.waiting == 0
+
+
 class SlotMemoryRunner:
     """A ModelRunner computing :func:`next_token` over the context it reads from its slots."""
 

@@ -23,8 +23,6 @@ from tests.lora_support import ALL_TARGETS, make_peft_adapter
 from tests.parity_support import ParityLog, assert_matches_reference
 from worker.engine.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
-from worker.engine.model.presets import build_preset
-from worker.engine.model.save import save_pretrained
 from worker.engine.sampling_params import SamplingParams
 
 VOCAB = 258
@@ -34,29 +32,22 @@ MIX = ("base", "A", "B", "A")
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny-hf")
-    save_pretrained(build_preset("tiny"), d)
-    return d
-
-
-@pytest.fixture(scope="module")
-def adapter_dirs(checkpoint, tmp_path_factory):
+def adapter_dirs(tiny_checkpoint, tmp_path_factory):
     root = tmp_path_factory.mktemp("adapters")
     return {
-        "A": make_peft_adapter(checkpoint, root / "A", rank=8, alpha=16, targets=ALL_TARGETS, seed=1),
-        "B": make_peft_adapter(checkpoint, root / "B", rank=4, alpha=8, targets=("q_proj", "v_proj", "down_proj"),
+        "A": make_peft_adapter(tiny_checkpoint, root / "A", rank=8, alpha=16, targets=ALL_TARGETS, seed=1),
+        "B": make_peft_adapter(tiny_checkpoint, root / "B", rank=4, alpha=8, targets=("q_proj", "v_proj", "down_proj"),
                                seed=2, use_rslora=True),
     }
 
 
 @pytest.fixture(scope="module")
-def references(checkpoint, adapter_dirs):
+def references(tiny_checkpoint, adapter_dirs):
     from peft import PeftModel
     from transformers import LlamaForCausalLM
 
     def base():
-        return LlamaForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+        return LlamaForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
 
     refs = {"base": base()}
     with warnings.catch_warnings():  # peft calls a transformers API deprecated for v6
@@ -66,8 +57,8 @@ def references(checkpoint, adapter_dirs):
     return refs
 
 
-def make_engine(checkpoint, adapter_dirs, **kw):
-    engine = LLMEngine(EngineConfig(model=str(checkpoint), enable_lora=True, max_loras=2, **kw),
+def make_engine(tiny_checkpoint, adapter_dirs, **kw):
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint), enable_lora=True, max_loras=2, **kw),
                        served_model_names=["tiny"])
     loras = {name: engine.add_lora(name, str(path)) for name, path in adapter_dirs.items()}
     loras["base"] = None
@@ -112,8 +103,8 @@ def assert_same_as_alone(mixed_outs, alone_outs):
 
 
 def test_a_mixed_batch_matches_peft_cold_and_with_prefix_hits_and_each_request_alone(
-        checkpoint, adapter_dirs, references):
-    engine, loras = make_engine(checkpoint, adapter_dirs)
+        tiny_checkpoint, adapter_dirs, references):
+    engine, loras = make_engine(tiny_checkpoint, adapter_dirs)
     cold_requests = mix_requests(engine, loras, "Question one?")
     cold = run(engine, cold_requests, 16, one_step=True)
     warm_requests = mix_requests(engine, loras, "A different question entirely.")
@@ -133,15 +124,15 @@ def test_a_mixed_batch_matches_peft_cold_and_with_prefix_hits_and_each_request_a
     assert tokens_of(cold["base-0"]) != tokens_of(cold["A-1"]) != tokens_of(cold["B-2"])
 
     for rid, (prompt, lora) in cold_requests.items():
-        alone_engine, alone_loras = make_engine(checkpoint, adapter_dirs)
+        alone_engine, alone_loras = make_engine(tiny_checkpoint, adapter_dirs)
         alone = run(alone_engine, {rid: (prompt, alone_loras[rid.split("-")[0]])}, 16)
         assert_same_as_alone(cold[rid], alone[rid])
 
 
 def test_adapters_joining_a_running_batch_mix_decode_and_prefill_rows_and_still_match(
-        checkpoint, adapter_dirs, references):
+        tiny_checkpoint, adapter_dirs, references):
     # A and B decode (BGMV rows) while base and a second A request prefill (SGMV segments).
-    engine, loras = make_engine(checkpoint, adapter_dirs)
+    engine, loras = make_engine(tiny_checkpoint, adapter_dirs)
     requests = mix_requests(engine, loras, "Staggered?")
     early = {rid: requests[rid] for rid in ("A-1", "B-2")}
     late = {rid: requests[rid] for rid in ("base-0", "A-3")}
@@ -170,8 +161,8 @@ def test_adapters_joining_a_running_batch_mix_decode_and_prefill_rows_and_still_
 
 
 def test_a_name_reloaded_with_other_weights_computes_with_them_and_reuses_no_stale_block(
-        checkpoint, adapter_dirs, references):
-    engine, loras = make_engine(checkpoint, adapter_dirs)
+        tiny_checkpoint, adapter_dirs, references):
+    engine, loras = make_engine(tiny_checkpoint, adapter_dirs)
     prompt = engine.tokenizer.encode(TEXT + "Reload?")
     first = run(engine, {"a1": (prompt, loras["A"])}, 12)["a1"]
     reloaded = engine.add_lora("A", str(adapter_dirs["B"]), replace=True)  # A's name, B's weights

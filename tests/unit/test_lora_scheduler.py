@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.engine_support import SlotMemoryRunner, reference_continuation
+from tests.engine_support import SlotMemoryRunner, assert_idle_accounting, reference_continuation, run_all
 from tests.lora_support import write_adapter
 from worker.engine.config import EngineConfig
 from worker.engine.errors import LoRADisabledError
@@ -38,20 +38,8 @@ def adapters(tmp_path):
     return make
 
 
-def run_all(engine):
-    tokens, finals = {}, {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-            if out.finished:
-                finals[out.request_id] = out
-    return tokens, finals
-
-
 def assert_idle(engine):
-    pool = engine.scheduler.kv_cache_manager.block_pool
-    pool.check_invariants()
-    assert all(b.ref_cnt == 0 for b in pool.blocks)
+    assert_idle_accounting(engine)
     assert engine.scheduler.lora_slots.pins == [0] * (engine.config.max_loras + 1)
     assert all(a.refcount == 0 for a in engine.list_loras())
 
