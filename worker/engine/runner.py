@@ -32,7 +32,9 @@ class ScheduledSequence:
     The step computes tokens ``num_computed_tokens .. num_computed_tokens +
     num_scheduled_tokens - 1`` (``new_token_ids``); the KV of the first ``num_computed_tokens``
     positions (cache hits included) is already in ``block_ids``. ``samples`` is True when the
-    step reaches the sequence's last known token, so a new token is sampled. ``lora_slot`` is
+    step reaches the sequence's last known token, so a new token is sampled.
+    ``prompt_token_ids`` is the request's whole prompt (the engine's list, read-only): a runner
+    that answers per prompt (the simulator's recorded-answer mode) reads it. ``lora_slot`` is
     the GPU slot of the sequence's adapter (0: the base model).
     """
 
@@ -46,6 +48,7 @@ class ScheduledSequence:
     sampling_params: SamplingParams
     num_prompt_tokens: int
     num_output_tokens: int
+    prompt_token_ids: list[int] = field(default_factory=list)
     lora_slot: int = 0
 
     @property

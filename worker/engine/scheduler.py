@@ -172,6 +172,7 @@ class Scheduler:
                 sampling_params=seq.sampling_params,
                 num_prompt_tokens=seq.num_prompt_tokens,
                 num_output_tokens=seq.num_output_tokens,
+                prompt_token_ids=seq.prompt_token_ids,
                 lora_slot=self.lora_slots.slot_of(seq.lora) if seq.lora is not None and self.lora_slots else 0,
             ))
         return batch

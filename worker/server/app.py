@@ -35,6 +35,7 @@ from worker.engine.llm_engine import LLMEngine
 from worker.server.kv_events import KVEventMapper
 from worker.server.publisher import RedisPublisher
 from worker.server.config import ServerConfig
+from worker.simulator.recorded import RecordedAnswers
 
 log = logging.getLogger("prefixlb.worker.server")
 
@@ -49,6 +50,7 @@ class BuiltEngine:
     engine: LLMEngine
     info: dict
     metrics: Callable[[], dict[str, float]] | None = None
+    answers: RecordedAnswers | None = None  # the recorded-answer mode's prompts
 
 
 def build_engine(cfg: ServerConfig) -> BuiltEngine:
@@ -56,19 +58,24 @@ def build_engine(cfg: ServerConfig) -> BuiltEngine:
     lora = dict(enable_lora=cfg.lora_enabled, max_loras=cfg.max_loras, max_cpu_loras=cfg.max_cpu_loras,
                 max_lora_rank=cfg.max_lora_rank)
     if cfg.simulate:
+        from worker.simulator.recorded import RecordedAnswers
         from worker.simulator.runner import build_simulated_engine
 
+        answers = (RecordedAnswers.from_csv(cfg.sim_answers, cfg.sim_answers_model)
+                   if cfg.sim_answers and cfg.sim_answers_model else None)
         engine, runner = build_simulated_engine(
             cfg.gpu, cfg.sim_model, tp=cfg.sim_tp, time_scale=cfg.time_scale,
             block_size=cfg.block_size, num_kv_blocks=cfg.kv_blocks, kv_memory_bytes=cfg.kv_memory_bytes,
             max_num_seqs=cfg.max_num_seqs or SIM_DEFAULT_MAX_NUM_SEQS,
             max_num_batched_tokens=cfg.max_num_batched_tokens or SIM_DEFAULT_MAX_BATCHED_TOKENS,
-            max_model_len=cfg.max_model_len, output_len=cfg.sim_output_len, seed=cfg.seed,
+            max_model_len=cfg.max_model_len, output_len=cfg.sim_output_len, seed=cfg.seed, answers=answers,
             served_model_names=[cfg.model_name], **lora)
         info = {"gpu": runner.latency.gpu.name, "sim_model": runner.latency.model.name,
                 "tp_size": runner.latency.tp, "time_scale": cfg.time_scale}
+        if answers is not None:
+            info["recorded_answers"] = {"model": answers.model, "prompts": len(answers)}
         built = BuiltEngine(engine, info, lambda: {"sim_modelled_seconds_total": runner.clock.modelled_s,
-                                                   "sim_steps_total": runner.steps})
+                                                   "sim_steps_total": runner.steps}, answers)
     else:
         config = EngineConfig(
             model=cfg.model, block_size=cfg.block_size, num_kv_blocks=cfg.kv_blocks,
@@ -121,7 +128,7 @@ def make_context(cfg: ServerConfig, engine: AsyncLLMEngine, built: BuiltEngine) 
                         limits=RequestLimits(max_body_bytes=cfg.max_body_bytes), simulated=cfg.simulate,
                         info_extra=built.info, extra_metrics=built.metrics,
                         body_timeout=cfg.body_timeout, mapper=KVEventMapper(max_blocks=table),
-                        api_keys=tuple(cfg.api_keys))
+                        api_keys=tuple(cfg.api_keys), recorded=built.answers)
     if cfg.redis:
         ctx.publisher = RedisPublisher(
             cfg.redis, RedisKeys(cfg.redis_prefix), ctx.worker_info(), ctx.load_report,

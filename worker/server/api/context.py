@@ -26,6 +26,7 @@ from worker.server.kv_events import KVEventMapper, request_chunks
 from worker.server.metrics import WorkerMetrics
 from worker.server.publisher import RedisPublisher
 from worker.engine.tokenizer import Tokenizer
+from worker.simulator.recorded import RecordedAnswers
 
 log = logging.getLogger("prefixlb.worker.server")
 
@@ -45,6 +46,7 @@ class WorkerContext:
     extra_metrics: Callable[[], dict[str, float]] | None = None  # e.g. the simulator's clock
     body_timeout: float = 30.0
     api_keys: tuple[str, ...] = ()  # required on /v1/* when set (worker/server/api/auth.py)
+    recorded: RecordedAnswers | None = None  # the simulator's recorded-answer mode: prompts it can answer
     mapper: KVEventMapper = field(default_factory=KVEventMapper)
     publisher: RedisPublisher | None = None
     metrics: WorkerMetrics = field(init=False)
