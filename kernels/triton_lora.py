@@ -81,20 +81,25 @@ def _bgmv_expand_kernel(
 
 
 @triton.jit
-def _sgmv_shrink_kernel(
-    x_ptr, a_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, buf_ptr,
-    K, R,
-    stride_x_tok, stride_x_k, stride_a_slot, stride_a_r, stride_a_k, stride_buf_tok,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
+def _segment_rows(seg_start_ptr, seg_len_ptr, seg_slot_ptr, BLOCK_M: tl.constexpr):
+    """This program's rows of its segment (grid axes 0 and 1), which are real, and the slot."""
     seg = tl.program_id(0)
     m_block = tl.program_id(1)
     start = tl.load(seg_start_ptr + seg).to(tl.int64)
     length = tl.load(seg_len_ptr + seg)
     slot = tl.load(seg_slot_ptr + seg).to(tl.int64)
     i = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = (i < length) & (i * 0 + slot != 0)
-    rows = start + i.to(tl.int64)
+    return start + i.to(tl.int64), (i < length) & (i * 0 + slot != 0), slot
+
+
+@triton.jit
+def _sgmv_shrink_kernel(
+    x_ptr, a_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, buf_ptr,
+    K, R,
+    stride_x_tok, stride_x_k, stride_a_slot, stride_a_r, stride_a_k, stride_buf_tok,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    rows, m_ok, slot = _segment_rows(seg_start_ptr, seg_len_ptr, seg_slot_ptr, BLOCK_M)
     r = tl.arange(0, BLOCK_R)
     r_ok = r < R
     acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
@@ -117,15 +122,8 @@ def _sgmv_expand_kernel(
     stride_buf_tok, stride_b_slot, stride_b_n, stride_b_r, stride_y_tok, stride_y_n,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    seg = tl.program_id(0)
-    m_block = tl.program_id(1)
     n_block = tl.program_id(2)
-    start = tl.load(seg_start_ptr + seg).to(tl.int64)
-    length = tl.load(seg_len_ptr + seg)
-    slot = tl.load(seg_slot_ptr + seg).to(tl.int64)
-    i = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = (i < length) & (i * 0 + slot != 0)
-    rows = start + i.to(tl.int64)
+    rows, m_ok, slot = _segment_rows(seg_start_ptr, seg_len_ptr, seg_slot_ptr, BLOCK_M)
     r = tl.arange(0, BLOCK_R)
     r_ok = r < R
     n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
