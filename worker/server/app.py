@@ -9,11 +9,13 @@ Lifecycle of ``serve(config)``::
 
 Routes are in worker/server/api/: openai_routes (completions, chat, models), lora_routes (vLLM's
 load/unload adapter endpoints), probes (health, load, metrics, server/model info, tokenize,
-render), errors (the one exception-to-HTTP mapping).
+render), errors (the worker's exceptions in OpenAI's shape). The error and API-key middlewares
+are protocol's, shared with the router.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 from dataclasses import dataclass
@@ -21,12 +23,12 @@ from typing import Callable
 
 from aiohttp import web
 
-from protocol.http_errors import OpenAIErrorServer
+from protocol.api_keys import api_key_middleware
+from protocol.http_errors import app_runner
 from protocol.keys import RedisKeys
 from protocol.messages import KV_CLEARED
 from protocol.openai_api import RequestLimits
 from worker.server.api import lora_routes, openai_routes, probes
-from worker.server.api.auth import api_key_middleware
 from worker.server.api.context import CTX, WorkerContext
 from worker.server.api.errors import error_middleware
 from worker.engine.async_engine import AsyncLLMEngine
@@ -123,18 +125,17 @@ def create_app(ctx: WorkerContext) -> web.Application:
 def make_context(cfg: ServerConfig, engine: AsyncLLMEngine, built: BuiltEngine) -> WorkerContext:
     """The shared server state for ``cfg`` (the publisher too, when ``--redis`` is given)."""
     table = cfg.kv_event_table or max(1024, 4 * engine.engine.num_kv_blocks)
-    ctx = WorkerContext(engine=engine, model_name=cfg.model_name, worker_id=cfg.resolved_worker_id,
-                        url=cfg.advertise_url, chunk_size=cfg.chunk_size,
-                        limits=RequestLimits(max_body_bytes=cfg.max_body_bytes), simulated=cfg.simulate,
-                        info_extra=built.info, extra_metrics=built.metrics,
-                        body_timeout=cfg.body_timeout, mapper=KVEventMapper(max_blocks=table),
-                        api_keys=tuple(cfg.api_keys), recorded=built.answers)
+    publisher = None
     if cfg.redis:
-        ctx.publisher = RedisPublisher(
-            cfg.redis, RedisKeys(cfg.redis_prefix), ctx.worker_info(), ctx.load_report,
-            heartbeat_interval=cfg.heartbeat_interval, ttl=cfg.registry_ttl,
-            stream_maxlen=cfg.kv_stream_maxlen, queue_size=cfg.publish_queue)
-    return ctx
+        publisher = functools.partial(RedisPublisher, cfg.redis, RedisKeys(cfg.redis_prefix),
+                                      heartbeat_interval=cfg.heartbeat_interval, ttl=cfg.registry_ttl,
+                                      stream_maxlen=cfg.kv_stream_maxlen, queue_size=cfg.publish_queue)
+    return WorkerContext(engine=engine, model_name=cfg.model_name, worker_id=cfg.resolved_worker_id,
+                         url=cfg.advertise_url, chunk_size=cfg.chunk_size,
+                         limits=RequestLimits(max_body_bytes=cfg.max_body_bytes), simulated=cfg.simulate,
+                         info_extra=built.info, extra_metrics=built.metrics,
+                         body_timeout=cfg.body_timeout, mapper=KVEventMapper(max_blocks=table),
+                         api_keys=tuple(cfg.api_keys), recorded=built.answers, publisher_factory=publisher)
 
 
 async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> int:
@@ -145,10 +146,7 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> int:
     async_engine.start()
     ctx = make_context(cfg, async_engine, built)
     async_engine.add_kv_event_listener(ctx.on_kv_events)
-    runner = web.AppRunner(create_app(ctx), handler_cancellation=True, access_log=None)
-    await runner.setup()
-    assert type(runner.server) is web.Server
-    runner.server.__class__ = OpenAIErrorServer  # malformed HTTP gets OpenAI-shaped JSON errors too
+    runner = await app_runner(create_app(ctx))  # malformed HTTP gets OpenAI-shaped JSON errors too
     site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True)
     await site.start()
     if ctx.publisher is not None:
