@@ -18,6 +18,7 @@ from typing import AsyncIterator, Callable
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.errors import DuplicateRequestError, EngineDeadError, EngineStepError
 from worker.engine.kv_cache.events import KVCacheEvent
+from worker.engine.lora.adapter import LoRAAdapter
 from worker.engine.outputs import RequestOutput
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.stats import EngineStats
@@ -64,8 +65,11 @@ class AsyncLLMEngine:
 
     # ---- requests ----------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       namespace: int = 0) -> AsyncIterator[RequestOutput]:
+                       namespace: int = 0, lora: LoRAAdapter | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until the finished one; closing the iterator aborts it.
+
+        ``lora``: the adapter to run with (LLMEngine.add_request); its LoRA errors arrive here
+        like InvalidRequestError does.
 
         Raises :class:`~worker.engine.errors.InvalidRequestError` (bad request, before any output),
         :class:`~worker.engine.errors.EngineStepError` (its step failed) or ``EngineDeadError``.
@@ -83,7 +87,7 @@ class AsyncLLMEngine:
         if self._dead is not None:  # died since the check above: its farewell missed this queue
             del self._queues[request_id]
             raise EngineDeadError("the engine loop has stopped") from self._dead
-        self._post(("add", request_id, list(prompt_token_ids), params, namespace, time.monotonic()))
+        self._post(("add", request_id, list(prompt_token_ids), params, namespace, time.monotonic(), lora))
         finished = False
         try:
             while True:
@@ -155,9 +159,10 @@ class AsyncLLMEngine:
             cmd = self._commands.popleft()
             kind = cmd[0]
             if kind == "add":
-                _, rid, prompt, params, namespace, arrival = cmd
+                _, rid, prompt, params, namespace, arrival, lora = cmd
                 try:
-                    engine.add_request(rid, prompt, params, namespace=namespace, arrival_time=arrival)
+                    engine.add_request(rid, prompt, params, namespace=namespace, arrival_time=arrival,
+                                       lora=lora)
                 except Exception as exc:  # delivered to the caller, e.g. InvalidRequestError
                     self._call(self._deliver, rid, exc)
             elif kind == "abort":

@@ -83,6 +83,14 @@ class ServerConfig:
                                       "(columns prompt, <model>_response)")
     sim_answers_model: str | None = setting(None, "simulated: the model whose recorded answers to replay "
                                             "(its <model>_response column; default served name)")
+    enable_lora: bool = setting(False, "serve LoRA adapters (implied by --lora); load more at run time "
+                                "with POST /v1/load_lora_adapter")
+    lora_modules: list[str] = setting(list, "LoRA adapter NAME=DIR in PEFT format, loaded at start; "
+                                      "requests select it with \"model\": NAME (repeatable)", flag="--lora")
+    max_loras: int = setting(4, "GPU slots: most distinct LoRA adapters in one batch", minimum=1, maximum=1024)
+    max_cpu_loras: int | None = setting(None, "LoRA adapters kept in host memory (default 4 x --max-loras)",
+                                        minimum=1)
+    max_lora_rank: int = setting(16, "largest LoRA rank accepted (sizes the GPU slots)", minimum=1, maximum=1024)
     log_level: str = setting("info", "log level", choices=("debug", "info", "warning", "error"))
 
     @property
@@ -110,6 +118,29 @@ class ServerConfig:
         return f"http://{host}:{self.port}"
 
     @property
+    def lora_enabled(self) -> bool:
+        """Whether the engine serves adapters (``--enable-lora`` or any ``--lora``)."""
+        return self.enable_lora or bool(self.lora_modules)
+
+    @property
+    def lora_specs(self) -> list[tuple[str, str]]:
+        """``--lora NAME=DIR`` as ``(name, dir)`` pairs; SettingsError if malformed or repeated."""
+        out: list[tuple[str, str]] = []
+        for spec in self.lora_modules:
+            name, sep, path = spec.partition("=")
+            name, path = name.strip(), path.strip()
+            if not sep or not name or not path:
+                raise SettingsError(f"--lora {spec!r}: expected NAME=DIR")
+            if any(name == seen for seen, _ in out):
+                raise SettingsError(f"--lora: adapter name {name!r} given twice")
+            if name == self.model_name:
+                raise SettingsError(f"--lora: adapter name {name!r} is the served model's name")
+            out.append((name, path))
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise SettingsError("--max-cpu-loras must be >= --max-loras")
+        return out
+
+    @property
     def kv_memory_bytes(self) -> int | None:
         """``--kv-memory`` in bytes."""
         return parse_size(self.kv_memory) if self.kv_memory else None
@@ -118,6 +149,13 @@ class ServerConfig:
 def load_server_config(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> ServerConfig:
     """Read a ServerConfig from ``argv`` (``prefixlb worker`` flags), env and ``--config``."""
     cfg = load_settings(ServerConfig, argv, env_prefix=ENV_PREFIX, environ=environ)
+    check_server_config(cfg)
+    return cfg
+
+
+def check_server_config(cfg: ServerConfig) -> None:
+    """Refuse what the engine would refuse later, now (SettingsError): sizes, recorded answers,
+    ``--lora`` specs."""
     if cfg.kv_memory:
         parse_size(cfg.kv_memory)  # refuse a bad size now, not when the engine starts
     if cfg.sim_answers is not None and (not cfg.simulate or not cfg.sim_answers_model):
@@ -125,4 +163,4 @@ def load_server_config(argv: Sequence[str] | None = None, environ: dict[str, str
                             "and --sim-answers-model")
     if cfg.sim_answers_model is not None and cfg.sim_answers is None:
         raise SettingsError("--sim-answers-model needs --sim-answers FILE")
-    return cfg
+    _ = cfg.lora_specs  # raises SettingsError on a malformed --lora

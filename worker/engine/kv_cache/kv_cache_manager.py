@@ -87,7 +87,8 @@ class KVCacheManager:
             return
         self._ensure_hashes(seq, num_full)
         start = seq.num_registered_blocks
-        self.block_pool.cache_blocks(seq.blocks[start:num_full], seq.block_hashes[start:num_full])
+        self.block_pool.cache_blocks(seq.blocks[start:num_full], seq.block_hashes[start:num_full],
+                                     seq.lora_name)
         seq.num_registered_blocks = num_full
 
     def free(self, seq: Sequence) -> None:
