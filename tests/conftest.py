@@ -40,3 +40,36 @@ def redis_prefix(redis_server_url: str):
     if keys:
         client.delete(*keys)
     client.close()
+
+
+# ---- real vLLM servers (tests/vllm_support.py) ------------------------------------------------
+_vllm_background = None
+
+
+def pytest_collection_finish(session):
+    """Start the vLLM fleet in the background as soon as a collected test needs it."""
+    global _vllm_background
+    from tests import vllm_support
+
+    wanted = any("vllm_fleet" in getattr(item, "fixturenames", ()) for item in session.items)
+    if wanted and vllm_support.vllm_missing_reason() is None and not session.config.option.collectonly:
+        _vllm_background = vllm_support.BackgroundFleet()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _vllm_background is not None:
+        _vllm_background.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_fleet():
+    """Two real vLLM servers on the tiny checkpoint (started once per run, stopped at its end)."""
+    from tests import vllm_support
+
+    reason = vllm_support.vllm_missing_reason()
+    if reason is not None:
+        if vllm_support.vllm_required():
+            pytest.fail(f"PREFIXLB_REQUIRE_VLLM=1 but {reason}")
+        pytest.skip(reason)
+    assert _vllm_background is not None, "the vLLM fleet was not started at collection"
+    return _vllm_background.get()

@@ -27,7 +27,8 @@ from tests.support import ROOT
 
 OUR_PACKAGES = frozenset({"prefixlb", "protocol", "router", "worker", "kernels", "bench"})
 # What `pip install prefixlb` asks for: the router's dependencies.
-BASE = ("aiohttp", "jsonschema", "prometheus-client", "pyyaml", "redis", "uhashring", "uvloop", "xxhash")
+BASE = ("aiohttp", "jsonschema", "msgpack", "prometheus-client", "pyyaml", "pyzmq", "redis", "uhashring", "uvloop",
+        "xxhash")
 # Nothing of these may come with the base install: the engine's, the benchmarks', Kubernetes'.
 NOT_IN_BASE = frozenset({"torch", "triton", "numpy", "safetensors", "tokenizers", "jinja2",
                          "matplotlib", "tqdm", "kubernetes", "transformers"})

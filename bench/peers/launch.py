@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Sequence
+
+from bench.process_group import stop_group
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_VENV = ROOT / ".venv-peers"
@@ -71,16 +72,7 @@ def start_peer(name: str, port: int, policy: str, workers: Sequence[str], promet
 
 def stop_peer(proc: subprocess.Popen, timeout: float = 10.0) -> None:
     """SIGTERM the peer's process group, SIGKILL after ``timeout``."""
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(5)
-    except ProcessLookupError:
-        pass
+    stop_group(proc, timeout)
 
 
 def main(argv: list[str] | None = None) -> int:

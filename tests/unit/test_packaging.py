@@ -28,6 +28,7 @@ EXTRAS = {
     "worker": {"torch", "triton", "safetensors", "tokenizers", "jinja2", "numpy"},
     "bench": {"numpy", "matplotlib", "tqdm"},
     "k8s": {"kubernetes"},
+    "engines": {"tokenizers", "jinja2"},
 }
 # Imports of bench/ no extra of the package installs, each with why that is right.
 BENCH_OUTSIDE_EXTRAS = {
@@ -52,10 +53,10 @@ def test_pip_install_prefixlb_asks_for_the_routers_dependencies_only():
 
 
 def test_the_extras_add_the_engine_the_benchmarks_and_kubernetes_and_test_has_them_all():
-    assert provided_extras() == {"worker", "bench", "k8s", "test"}
+    assert provided_extras() == {"worker", "bench", "k8s", "engines", "test"}
     for extra, added in EXTRAS.items():
         assert _names((extra,)) - _names() == added, extra
-    assert _names(("test",)) >= _names(("worker", "bench", "k8s"))
+    assert _names(("test",)) >= _names(("worker", "bench", "k8s", "engines"))
     assert _closure("test") >= {"pytest", "openai", "transformers", "helm-python-sdk", "kubernetes-validate"}
 
 
@@ -69,9 +70,13 @@ def _uncovered(packages: tuple[str, ...], installed: set[str]) -> dict[str, set[
 
 def test_every_import_of_the_router_and_the_cli_is_a_base_requirement_or_kubernetes_discovery():
     uncovered = _uncovered(("prefixlb", "protocol", "router"), _closure())
-    # Only the Kubernetes discovery imports the k8s extra (and only with --k8s-selector).
-    assert uncovered == {"kubernetes": {"router/fleet/k8s_discovery.py"}}
+    # Only the Kubernetes discovery imports the k8s extra (and only with --k8s-selector), and only
+    # the backends' chat tokenization the engines extra (the worker extra has both too).
+    assert uncovered == {"kubernetes": {"router/fleet/k8s_discovery.py"},
+                         "tokenizers": {"router/routing/chat_tokens.py"},
+                         "jinja2": {"router/routing/chat_tokens.py", "protocol/hf_chat_template.py"}}
     assert "kubernetes" in _closure("k8s")
+    assert {"tokenizers", "jinja2"} <= _closure("engines") and {"tokenizers", "jinja2"} <= _closure("worker")
 
 
 def test_every_import_of_the_worker_and_the_kernels_comes_with_the_worker_extra():

@@ -1,5 +1,8 @@
 """Chat templates: a simple documented default, or a checkpoint's Jinja template.
 
+A Jinja template renders in transformers' environment (protocol/hf_chat_template.py), so the
+worker produces the prompt vLLM or SGLang would produce from the same checkpoint.
+
 The default renders, for each message in order (tools first when given)::
 
     <|tools|>\\n<tools as JSON><|end|>\\n
@@ -43,31 +46,29 @@ class ChatTemplate:
 
     def __init__(self, jinja_source: str | None = None, bos_token: str = "", eos_token: str = "") -> None:
         self.jinja_source = jinja_source
-        self._compiled = None
-        self._bos = bos_token
-        self._eos = eos_token
+        self._special = {"bos_token": bos_token, "eos_token": eos_token}
         if jinja_source is not None:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
+            # Imported here: jinja2 comes with the worker extra, and the simulated worker runs without it.
+            from protocol.hf_chat_template import ChatTemplateError, compile_chat_template
 
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise_template_error
-            env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
-            self._compiled = env.from_string(jinja_source)
+            try:
+                compile_chat_template(jinja_source)
+            except ChatTemplateError as exc:
+                raise InvalidRequestError(str(exc)) from exc
 
     def render(self, messages: list[dict[str, Any]], tools: list[Any] | None = None,
                add_generation_prompt: bool = True) -> str:
         """The prompt text for ``messages`` (and ``tools``)."""
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise InvalidRequestError("messages must be a list of objects")
-        if self._compiled is not None:
+        if self.jinja_source is not None:
+            from protocol.hf_chat_template import ChatTemplateError, render_chat_template
+
             try:
-                return self._compiled.render(messages=messages, tools=tools or None,
-                                             add_generation_prompt=add_generation_prompt,
-                                             bos_token=self._bos, eos_token=self._eos)
-            except InvalidRequestError:
-                raise
-            except Exception as exc:  # jinja errors on malformed messages
-                raise InvalidRequestError(f"chat template failed: {exc}") from exc
+                return render_chat_template(self.jinja_source, messages, tools or None,
+                                            add_generation_prompt, special_tokens=self._special)
+            except ChatTemplateError as exc:
+                raise InvalidRequestError(f"chat template: {exc}") from exc
         out = []
         if tools:
             out.append(f"<|tools|>\n{json.dumps(tools, sort_keys=True, ensure_ascii=False)}<|end|>\n")
@@ -82,7 +83,3 @@ class ChatTemplate:
         if add_generation_prompt:
             out.append("<|assistant|>\n")
         return "".join(out)
-
-
-def _raise_template_error(message: str) -> None:
-    raise InvalidRequestError(f"chat template: {message}")

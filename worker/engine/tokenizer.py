@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from worker.engine.chat_template import ChatTemplate
-from worker.engine.errors import ModelLoadError
+from worker.engine.errors import InvalidRequestError, ModelLoadError
 
 BYTE_VOCAB_SIZE = 258
 BYTE_BOS_ID = 256
@@ -144,10 +144,19 @@ class HFTokenizer:
         template = cfg.get("chat_template")
         if not isinstance(template, str) and (directory / "chat_template.jinja").exists():
             template = (directory / "chat_template.jinja").read_text(encoding="utf-8")
-        self.chat_template = ChatTemplate(
-            template if isinstance(template, str) else None,
-            bos_token=self._token_text(self.bos_token_id),
-            eos_token=self._token_text(self.eos_token_id))
+        try:
+            self.chat_template = ChatTemplate(
+                template if isinstance(template, str) else None,
+                bos_token=self._token_text(self.bos_token_id),
+                eos_token=self._token_text(self.eos_token_id))
+        except InvalidRequestError as exc:
+            raise ModelLoadError(f"{directory}: {exc}") from exc
+        # A ByteLevel decoder spells each byte as one printable character: a token's raw bytes
+        # are its characters mapped back (decoding one token alone would turn a byte that is
+        # part of a longer UTF-8 character into U+FFFD).
+        decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+        self._byte_level = decoder.get("type") == "ByteLevel"
+        self._added = {i: t for i, t in self._tok.get_added_tokens_decoder().items()}
 
     def _special_id(self, token: Any, fallback: Any) -> int | None:
         if isinstance(token, dict):
@@ -171,6 +180,12 @@ class HFTokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
     def token_bytes(self, token_id: int) -> bytes:
+        added = self._added.get(token_id)
+        if added is not None:  # added tokens are their text (special ones: nothing)
+            return b"" if added.special else added.content.encode("utf-8")
+        if self._byte_level:
+            piece = self._tok.id_to_token(token_id) or ""
+            return bytes(_UNICODE_TO_BYTE[ch] for ch in piece if ch in _UNICODE_TO_BYTE)
         return self._tok.decode([token_id], skip_special_tokens=True).encode("utf-8")
 
     def incremental_detokenizer(self) -> IncrementalDetokenizer:
@@ -184,6 +199,23 @@ class HFTokenizer:
         if bos and self.add_bos and text.startswith(bos):
             text = text[len(bos):]
         return text
+
+
+def byte_level_alphabet() -> dict[int, str]:
+    """GPT-2's printable character for each byte: how a ``ByteLevel`` tokenizer spells bytes."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(printable, chars)}
+
+
+_UNICODE_TO_BYTE = {ch: b for b, ch in byte_level_alphabet().items()}
 
 
 def _read_json(path: Path) -> dict[str, Any]:

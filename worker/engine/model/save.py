@@ -1,4 +1,9 @@
-"""Saving a model as a Hugging Face checkpoint that transformers loads unchanged."""
+"""Saving a model as a Hugging Face checkpoint that transformers, vLLM and SGLang load unchanged.
+
+A model on the byte-level vocabulary (the presets) also gets its tokenizer files
+(:mod:`worker.engine.model.byte_tokenizer_files`), so every engine serving the directory turns
+text into the same token ids.
+"""
 from __future__ import annotations
 
 import json
@@ -7,8 +12,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from worker.engine.model.byte_tokenizer_files import save_byte_tokenizer
 from worker.engine.model.llama import LlamaForCausalLM
 from worker.engine.model.loader import _fused_slices
+from worker.engine.tokenizer import BYTE_BOS_ID, BYTE_EOS_ID, BYTE_VOCAB_SIZE
 
 _UNSTACK = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -35,7 +42,10 @@ def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
 
 
 def save_pretrained(model: LlamaForCausalLM, directory: str | Path) -> Path:
-    """Write ``config.json``, ``generation_config.json`` and ``model.safetensors`` into ``directory``."""
+    """Write ``config.json``, ``generation_config.json`` and ``model.safetensors`` into ``directory``.
+
+    A byte-vocabulary model also gets ``tokenizer.json`` and ``tokenizer_config.json``.
+    """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     config = model.config
@@ -46,4 +56,7 @@ def save_pretrained(model: LlamaForCausalLM, directory: str | Path) -> Path:
     (directory / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n", encoding="utf-8")
     tensors = {k: v.detach().cpu() for k, v in hf_state_dict(model).items()}
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    if (config.vocab_size, config.bos_token_id, config.eos_token_id) == (BYTE_VOCAB_SIZE, BYTE_BOS_ID,
+                                                                        BYTE_EOS_ID):
+        save_byte_tokenizer(directory)
     return directory
