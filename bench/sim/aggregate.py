@@ -30,7 +30,7 @@ import heapq
 from worker.simulator.latency import LatencyModel, StepShape
 
 from bench.sim.decode_run import observe_decode_run
-from bench.sim.worker import SimRequest, SimWorker
+from bench.sim.worker import SimRequest, SimWorker, is_decode
 
 
 class AggregateWorker(SimWorker):
@@ -180,19 +180,25 @@ class AggregateWorker(SimWorker):
             if not ok:
                 break
             scheduled.append((req, n))
-            shape.add_prefill(n, req.num_computed_tokens, samples=req.num_computed_tokens + n == req.num_tokens)
+            if is_decode(req, n):  # a recompute down to its last token: the engine calls it a decode
+                decodes += 1
+                decode_ctx += req.num_tokens
+            else:
+                shape.add_prefill(n, req.num_computed_tokens, samples=req.num_computed_tokens + n == req.num_tokens)
             budget -= n
             i += 1
         if not preempted:
-            self._admit(scheduled, shape, budget)
+            admitted_decodes, admitted_ctx = self._admit(scheduled, shape, budget)
+            decodes += admitted_decodes
+            decode_ctx += admitted_ctx
         self._add_decodes(shape, decodes, decode_ctx)
         return scheduled, shape
 
     def _apply_step(self, now: float) -> None:
         self._tick += 1  # every decoding request got its token
         done = self._pop_finished()
-        decodes = self._decodes
-        for req, n in self._batch:  # prefill chunks only
+        decodes = self._ndec  # the decoding prefix, as scheduled: one token each
+        for req, n in self._batch:  # the other chunks
             if self._apply_prefill(req, n, now):
                 decodes += 1
                 if req.num_output >= req.max_tokens:

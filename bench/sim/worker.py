@@ -12,7 +12,10 @@ Fidelity to the engine (``worker/engine/scheduler.py``, ``worker/engine/kv_cache
   admission order (a decode takes 1 token, a partial prefill its next chunk), preempting the
   most recently admitted one by recompute when blocks run out; then strict-FCFS admission of
   waiting requests while budget, ``max_num_seqs`` and blocks allow; prefill and decode share
-  steps; a step's duration is the latency model's :meth:`step_time`.
+  steps, labelled as the engine labels them (:func:`is_decode`); a step's duration is the
+  latency model's :meth:`step_time`;
+- ``tests/unit/test_sim_engine_parity.py`` runs the engine's own ``Scheduler`` and this worker on
+  one workload and checks they schedule the same steps.
 
 Differences, for speed (1,000 workers × 1,000,000 requests is the target):
 
@@ -39,15 +42,28 @@ from bench.sim.decode_run import decode_run_time, decode_steps_done_by, observe_
 from bench.sim.lazy_pool import LazyBlockPool
 
 
+def is_decode(req: "SimRequest", n: int) -> bool:
+    """Whether the engine labels ``n`` scheduled tokens of ``req`` a decode (``worker.engine.scheduler``).
+
+    They are when they are the request's last token alone and its first token is out: a decoding
+    request, or a preempted one whose recompute is down to its last token (cache hits or chunks
+    computed the rest). A prompt's last token alone is still prefill: the first token comes out of
+    it. The label is what the speed meter counts (prefill tokens vs decoding sequences); the step's
+    shape, hence its time, is the same either way.
+    """
+    return n == 1 and req.prefill_left <= 1 and req.num_output > 0
+
+
 class SimRequest:
     """One request's progress inside a simulated worker (times in virtual seconds).
 
-    ``block_hashes`` are the hashes of the prompt's full units, precomputed by the workload; the
-    KV-cache fields (``blocks``, ``num_computed_tokens``, ``num_registered_blocks``) are the
+    ``block_hashes`` are the hashes of the prompt's full units, precomputed by the workload;
+    ``hashes`` is the same list under the router's name (its chunk hashes: a unit is a chunk).
+    The KV-cache fields (``blocks``, ``num_computed_tokens``, ``num_registered_blocks``) are the
     engine's :class:`~worker.engine.sequence.Sequence`'s, so the engine's KV-cache rules run on it.
     """
 
-    __slots__ = ("index", "arrival", "block_hashes", "num_prompt", "max_tokens", "session",
+    __slots__ = ("index", "arrival", "block_hashes", "hashes", "num_prompt", "max_tokens", "session",
                  "num_computed_tokens", "num_output", "cached_tokens", "first_token_at", "finished_at",
                  "blocks", "num_registered_blocks", "worker_id", "error", "prefill_left", "tick0", "dseq")
 
@@ -55,7 +71,7 @@ class SimRequest:
                  session: str | None = None) -> None:
         self.index = index
         self.arrival = arrival
-        self.block_hashes = block_hashes
+        self.block_hashes = self.hashes = block_hashes  # (an attribute, not a property: no call per read)
         self.num_prompt = num_prompt
         self.max_tokens = max_tokens
         self.session = session
@@ -77,11 +93,6 @@ class SimRequest:
     def num_tokens(self) -> int:
         """Prompt plus generated tokens."""
         return self.num_prompt + self.num_output
-
-    @property
-    def hashes(self) -> list[int]:
-        """The prompt's unit hashes as the router reads them: its chunk hashes (a unit is a chunk)."""
-        return self.block_hashes
 
     def hash_blocks(self, block_size: int, num_blocks: int) -> None:
         """Nothing to add: the prompt's units are hashed up front and generated tokens never are."""
@@ -306,7 +317,7 @@ class SimWorker:
             if not ok:
                 break
             scheduled.append((req, n))
-            if req.prefill_left == 0:
+            if is_decode(req, n):
                 decodes += 1
                 decode_ctx += req.num_tokens
             else:
@@ -314,7 +325,9 @@ class SimWorker:
             budget -= n
             i += 1
         if not preempted:
-            self._admit(scheduled, shape, budget)
+            admitted_decodes, admitted_ctx = self._admit(scheduled, shape, budget)
+            decodes += admitted_decodes
+            decode_ctx += admitted_ctx
         self._add_decodes(shape, decodes, decode_ctx)
         return scheduled, shape
 
@@ -331,9 +344,14 @@ class SimWorker:
                 return False, True
         return True, preempted
 
-    def _admit(self, scheduled: list[tuple[SimRequest, int]], shape: StepShape, budget: int) -> None:
-        """Strict-FCFS admission of waiting requests into what is left of the step's budget."""
+    def _admit(self, scheduled: list[tuple[SimRequest, int]], shape: StepShape, budget: int) -> tuple[int, int]:
+        """Strict-FCFS admission of waiting requests into what is left of the step's budget.
+
+        Returns the decodes among them (:func:`is_decode`: preempted requests left with their last
+        token) and their context tokens, for the caller's decode sums.
+        """
         running, kv = self.running, self.kv
+        decodes = decode_ctx = 0
         while self.waiting and budget > 0 and len(running) < self.max_num_seqs:
             req = self.waiting[0]
             hits, hit_tokens = kv.get_computed_blocks(req)
@@ -349,11 +367,19 @@ class SimWorker:
             running.append(req)
             self.running_tokens += req.num_tokens
             scheduled.append((req, n))
-            shape.add_prefill(n, hit_tokens, samples=hit_tokens + n == req.num_tokens)
+            if is_decode(req, n):
+                decodes += 1
+                decode_ctx += req.num_tokens
+            else:
+                shape.add_prefill(n, hit_tokens, samples=hit_tokens + n == req.num_tokens)
             budget -= n
+        return decodes, decode_ctx
 
     def _add_decodes(self, shape: StepShape, decodes: int, decode_ctx: int) -> None:
-        """Decodes summed at once: what ``StepShape.add_decode`` adds, per decoding sequence."""
+        """Decodes summed at once: what ``StepShape.add_decode`` adds, per decoding sequence.
+
+        ``decodes`` counts every sequence the engine would label a decode (:func:`is_decode`).
+        """
         self._decodes = decodes
         self._prefill_pairs = shape.attention_pairs
         shape.tokens += decodes
