@@ -15,13 +15,14 @@ $(VENV)/bin/python:
 	$(PIP) install -q --upgrade pip
 
 # torch is pinned and installed first so that a CPU machine never pulls a multi-GB CUDA build.
+# `pip install prefixlb` alone is the router; `make run` needs the worker (and installs the rest).
 $(STAMP): pyproject.toml | $(VENV)/bin/python
 	$(PIP) install -q "torch==$(TORCH_VERSION)"
-	$(PIP) install -q -e .
+	$(PIP) install -q -e '.[worker,bench,k8s]'
 	touch $@
 
 $(TEST_STAMP): pyproject.toml $(STAMP)
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[worker,bench,k8s,test]'
 	touch $@
 
 install: $(STAMP)

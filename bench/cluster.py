@@ -9,28 +9,19 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
 from bench.peers.launch import peer_env, start_peer
+from protocol.loopback import free_port, wait_http_ok
 
 
 class ClusterError(RuntimeError):
     """A process did not come up (its log tail is in the message)."""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RedisServer:
@@ -88,14 +79,6 @@ class RedisServer:
         self.stop()
 
 
-def _get_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1.0) as resp:
-            return 200 <= resp.status < 300
-    except (urllib.error.URLError, OSError):
-        return False
-
-
 @dataclass
 class Process:
     """One started process."""
@@ -120,13 +103,8 @@ class Process:
 
     def wait_ready(self, path: str, timeout: float) -> None:
         """Poll ``url + path`` until it answers 2xx; raise with the log tail if it never does."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.popen.poll() is not None:
-                break
-            if _get_ok(self.url + path):
-                return
-            time.sleep(0.1)
+        if wait_http_ok(self.url + path, timeout, alive=lambda: self.popen.poll() is None):
+            return
         tail = self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
         self.stop()
         raise ClusterError(f"{self.name} did not become ready at {self.url}{path}:\n{tail}")
@@ -213,4 +191,4 @@ def cluster(log_dir: str | Path) -> Iterator[Cluster]:
         c.stop()
 
 
-__all__ = ["Cluster", "ClusterError", "Process", "cluster", "free_port", "peer_env"]
+__all__ = ["Cluster", "ClusterError", "Process", "cluster", "peer_env"]

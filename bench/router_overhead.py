@@ -32,7 +32,6 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 import contextlib
 from contextlib import contextmanager
 from typing import Iterator
@@ -41,6 +40,7 @@ import aiohttp
 from aiohttp import web
 
 from bench.stats import percentile
+from protocol.loopback import free_port, wait_http_ok
 
 TICKS = os.sysconf("SC_CLK_TCK")
 SESSION = web.AppKey("session", aiohttp.ClientSession)
@@ -84,15 +84,6 @@ def serve_bare_proxy(port: int, upstream: str) -> None:
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None, handler_cancellation=True)
 
 
-def free_port() -> int:
-    """A free loopback port."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` so far."""
     with open(f"/proc/{pid}/stat") as fh:
@@ -100,19 +91,16 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS
 
 
+def _routable(body: bytes) -> bool:
+    """A router's /health body once it has a worker to route to (a worker's or the bare proxy's: any)."""
+    return json.loads(body).get("routable_workers", 1) >= 1
+
+
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    if not wait_http_ok(url + "/health", timeout, alive=lambda: proc.poll() is None, accept=_routable):
         if proc.poll() is not None:
             raise RuntimeError(f"{url}: process exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=1) as resp:
-                if resp.status == 200 and json.loads(resp.read()).get("routable_workers", 1) >= 1:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} not healthy after {timeout} s")
+        raise RuntimeError(f"{url} not healthy after {timeout} s")
 
 
 @contextmanager

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.cluster import Process, RedisServer, cluster, free_port
+from bench.cluster import Process, RedisServer, cluster
+from protocol.loopback import free_port
 
 
 def rss_bytes(pid: int) -> int:

@@ -1,7 +1,7 @@
 """Torch reference attention over the paged KV cache: the CPU path of the engine and the ground
 truth the Triton kernels are tested against.
 
-Layout (docs/architecture.md, "KV cache layout"): per layer `k_cache`, `v_cache` are
+Layout (docs/kernels.md, "KV cache layout"): per layer `k_cache`, `v_cache` are
 `[num_blocks, block_size, num_kv_heads, head_dim]`; token `t` of a sequence lives in physical block
 `block_table[t // block_size]` at offset `t % block_size`.
 

@@ -32,7 +32,7 @@ class AttentionBackendError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class AttentionBackend:
-    """Three attention ops with the signatures of docs/architecture.md ("KV cache layout").
+    """Three attention ops with the signatures of docs/kernels.md ("The three ops").
 
     `write_kv(k, v, k_cache, v_cache, slot_mapping)`,
     `decode(q, k_cache, v_cache, block_tables, context_lens, scale)`,

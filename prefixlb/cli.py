@@ -1,7 +1,8 @@
 """The ``prefixlb`` command: a thin dispatcher to one module per subcommand.
 
 Each subcommand lives in ``prefixlb/commands/<name>.py`` and exposes ``main(argv) -> int``;
-modules are imported lazily so that ``prefixlb router`` never imports torch.
+modules are imported lazily so that ``prefixlb router`` never imports torch: ``pip install
+prefixlb`` is the router alone, and the other commands need an extra (pyproject.toml).
 """
 from __future__ import annotations
 
@@ -16,7 +17,29 @@ SUBCOMMANDS = {
     "sim": "offline fleet simulator in virtual time (same policies, no HTTP)",
     "sweep": "sweep affinity 0..1 in the fleet simulator and plot hit rate vs p99 TTFT",
     "model": "model utilities: `model save tiny DIR` writes a Hugging Face checkpoint",
+    "cost": "what prefix caching saves on a trace or a run, priced with price books",
 }
+
+# What the base install lacks, by the extra that brings it (pyproject.toml's optional
+# dependencies; tests/unit/test_packaging.py keeps the two in step). A command that needs one of
+# these modules says which extra to install instead of ending in a traceback.
+EXTRA_MODULES = {
+    "worker": ("torch", "triton", "safetensors", "tokenizers", "jinja2", "numpy"),
+    "bench": ("numpy", "matplotlib", "tqdm"),
+    "k8s": ("kubernetes",),
+}
+COMMAND_EXTRA = {"run": "worker", "worker": "worker", "model": "worker",
+                 "bench": "bench", "sim": "bench", "sweep": "bench", "router": "k8s"}
+
+
+def missing_extra(command: str, module: str | None) -> str | None:
+    """The extra that installs ``module`` (a module ``command`` failed to import), or None when
+    no extra provides it (then the failure is a bug, not a missing install)."""
+    top = (module or "").split(".")[0]
+    extras = [e for e, modules in EXTRA_MODULES.items() if top in modules]
+    if not extras:
+        return None
+    return COMMAND_EXTRA[command] if COMMAND_EXTRA.get(command) in extras else extras[0]
 
 
 def _usage() -> str:
@@ -36,8 +59,16 @@ def main(argv: list[str] | None = None) -> int:
     if name not in SUBCOMMANDS:
         print(f"prefixlb: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(f"prefixlb.commands.{name}")
-    return int(module.main(rest) or 0)
+    try:
+        module = importlib.import_module(f"prefixlb.commands.{name}")
+        return int(module.main(rest) or 0)
+    except ModuleNotFoundError as exc:
+        extra = missing_extra(name, exc.name)
+        if extra is None:
+            raise
+        print(f"prefixlb {name}: needs {exc.name}, which `pip install prefixlb` (the router alone) "
+              f"leaves out: pip install 'prefixlb[{extra}]'", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

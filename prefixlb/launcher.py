@@ -8,34 +8,17 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from typing import Iterator
+
+from protocol.loopback import free_port, wait_http_ok
 
 
 class LaunchError(RuntimeError):
     """A worker did not come up."""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def healthy(url: str) -> bool:
-    """True when ``GET url/health`` answers 200."""
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=1.0) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
 
 
 @dataclass
@@ -49,6 +32,10 @@ class WorkerProcess:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def alive(self) -> bool:
+        """True while the child runs."""
+        return self.popen.poll() is None
 
 
 @dataclass
@@ -71,18 +58,17 @@ class LocalWorkers:
             self.processes.append(WorkerProcess(f"worker-{i + 1}", port, subprocess.Popen(args)))
         deadline = time.monotonic() + timeout
         for w in self.processes:
-            while not healthy(w.url):
-                if w.popen.poll() is not None:
-                    raise LaunchError(f"{w.worker_id} exited with status {w.popen.returncode}")
-                if time.monotonic() > deadline:
-                    raise LaunchError(f"{w.worker_id} did not answer {w.url}/health within {timeout:.0f} s")
-                time.sleep(0.2)
+            if wait_http_ok(w.url + "/health", deadline - time.monotonic(), alive=w.alive):
+                continue
+            if not w.alive():
+                raise LaunchError(f"{w.worker_id} exited with status {w.popen.returncode}")
+            raise LaunchError(f"{w.worker_id} did not answer {w.url}/health within {timeout:.0f} s")
         return [w.url for w in self.processes]
 
     def stop(self, grace: float = 10.0) -> None:
         """SIGTERM every child, then SIGKILL whatever is still running after ``grace`` seconds."""
         for w in self.processes:
-            if w.popen.poll() is None:
+            if w.alive():
                 with contextlib.suppress(ProcessLookupError):
                     w.popen.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace

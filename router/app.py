@@ -12,9 +12,9 @@ import signal
 
 from aiohttp import web
 
-from protocol.http_errors import OpenAIErrorServer
+from protocol.http_errors import app_runner
 from router.http.admin import admin_app
-from router.http.api import CONTEXT, add_routes, error_middleware
+from router.http.api import CONTEXT, add_routes, middlewares
 from router.config import RouterConfig
 from router.context import RouterContext, build_context, start, stop
 
@@ -23,7 +23,7 @@ log = logging.getLogger("prefixlb.router")
 
 def build_app(ctx: RouterContext) -> web.Application:
     """An application serving ``ctx`` (its parts are started by :func:`serve`)."""
-    app = web.Application(middlewares=[error_middleware], client_max_size=ctx.config.max_body_bytes)
+    app = web.Application(middlewares=middlewares(ctx.config.api_keys), client_max_size=ctx.config.max_body_bytes)
     app[CONTEXT] = ctx
     add_routes(app)
     app.add_subapp("/admin/", admin_app())
@@ -35,10 +35,7 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None) -> int:
     ctx = build_context(cfg)
     app = build_app(ctx)
     await start(ctx)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    assert type(runner.server) is web.Server
-    runner.server.__class__ = OpenAIErrorServer  # only changes which handler class it builds
+    runner = await app_runner(app)
     try:
         site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024, reuse_address=True)
         await site.start()

@@ -28,8 +28,8 @@ class RouterConfig:
                                  flag="--worker")
     policy: str = setting("cache_aware", "routing policy", choices=POLICIES)
     affinity: float = setting(DEFAULT_AFFINITY, "affinity strength a: 0 = least pending work, 0.5 = "
-                              "plain predicted TTFT, 0.8 = locality weighted 16x, 1 = follow the cache",
-                              minimum=0.0, maximum=1.0)
+                              "plain predicted TTFT, 0.8 = locality weighted 16x, 1 = follow the cache "
+                              '(docs/routing.md, "Affinity strength")', minimum=0.0, maximum=1.0)
     redis: str | None = setting(None, "Redis URL for shared state (none: everything in memory)")
     redis_prefix: str = setting(DEFAULT_PREFIX, "prefix of every Redis key")
     admin_token: str | None = setting(None, "bearer token of the /admin/ API (unset: admin API refused)",

@@ -19,6 +19,7 @@ from protocol import RedisKeys
 from router.http.admission import Admission
 from router.routing.balancer import Balancer
 from router.fleet.breaker import BreakerConfig
+from router.fleet.connections import WorkerConnections
 from router.config import RouterConfig
 from router.fleet.health import HealthChecker
 from router.routing.index import PrefixIndex
@@ -53,6 +54,7 @@ class RouterContext:
     proxy: Proxy
     health: HealthChecker
     prewarmer: Prewarmer
+    connections: WorkerConnections
     state: RedisState | None = None
     discovery: Any = None
     maintenance: asyncio.Task | None = None
@@ -178,25 +180,28 @@ def build_context(cfg: RouterConfig) -> RouterContext:
     breaker = BreakerConfig(failure_threshold=cfg.unhealthy_after, cool_down_s=cfg.breaker_cool_down,
                             max_cool_down_s=max(cfg.breaker_cool_down, cfg.breaker_max_cool_down),
                             half_open_successes=cfg.half_open_successes)
-    registry = WorkerRegistry(balancer, cfg.unhealthy_after, breaker, cfg.half_open_max_inflight,
-                              WorkerURLPolicy(cfg.worker_allow))
     metrics = RouterMetrics()
     admission = Admission(cfg.max_inflight, cfg.max_queue, cfg.max_queue_bytes, cfg.queue_timeout)
-    proxy = Proxy(balancer, registry, metrics, cfg.connect_timeout, cfg.read_timeout, cfg.max_attempts,
-                  cfg.retry_deadline, admission)
+    connections = WorkerConnections(cfg.connect_timeout, cfg.read_timeout)
     worker_headers = {"Authorization": f"Bearer {cfg.worker_api_key}"} if cfg.worker_api_key else {}
-    health = HealthChecker(registry, cfg.health_interval, cfg.health_jitter, cfg.health_timeout, worker_headers)
     hot = HotPrefixes(max(32, 4 * cfg.prewarm_top), cfg.prewarm_max_bytes)
-    prewarmer = Prewarmer(hot, cfg.prewarm_top, cfg.prewarm_timeout, registry, balancer, metrics, cfg.chunk_size,
-                          cfg.ring_key_chunks, worker_headers)
-    registry.warmup = prewarmer.wants
-    # A worker coming back (or a new one) is capacity for requests waiting in the queue.
-    registry.on_routable.append(lambda worker_id: admission.notify())
-    ctx = RouterContext(cfg, balancer, registry, metrics, proxy, health, prewarmer)
+    prewarmer = Prewarmer(hot, cfg.prewarm_top, cfg.prewarm_timeout, connections, balancer, metrics,
+                          cfg.chunk_size, cfg.ring_key_chunks, worker_headers)
+    registry = WorkerRegistry(balancer, cfg.unhealthy_after, breaker, cfg.half_open_max_inflight,
+                              WorkerURLPolicy(cfg.worker_allow), warmup=prewarmer.wants,
+                              # A worker coming back (or a new one) is capacity for requests in the queue.
+                              on_routable=[lambda worker_id: admission.notify()])
+    proxy = Proxy(balancer, registry, metrics, connections, cfg.max_attempts, cfg.retry_deadline, admission)
+    health = HealthChecker(registry, cfg.health_interval, cfg.health_jitter, cfg.health_timeout, worker_headers)
+    state = None
     if cfg.redis:
-        ctx.state = RedisState(cfg.redis, RedisKeys(cfg.redis_prefix), balancer, registry, metrics,
-                               cfg.registry_interval, cfg.snapshot_interval, ctx._shared_config,
-                               registry_grace=cfg.registry_grace)
+        # Shared runtime config is applied to the context built just below; Redis delivers it
+        # only after start(), when ``ctx`` is bound.
+        state = RedisState(cfg.redis, RedisKeys(cfg.redis_prefix), balancer, registry, metrics,
+                           cfg.registry_interval, cfg.snapshot_interval, lambda values: ctx._shared_config(values),
+                           registry_grace=cfg.registry_grace)
+    ctx = RouterContext(config=cfg, balancer=balancer, registry=registry, metrics=metrics, proxy=proxy,
+                        health=health, prewarmer=prewarmer, connections=connections, state=state)
     metrics.add_state(ctx.state_metrics)
     for url in cfg.workers:
         registry.add(url, "flag")
@@ -205,12 +210,11 @@ def build_context(cfg: RouterConfig) -> RouterContext:
 
 async def start(ctx: RouterContext) -> None:
     """Open connections, sync from Redis, start probes and discovery (before listening)."""
-    await ctx.proxy.start()
+    await ctx.connections.open()
     if ctx.state is not None:
         await ctx.state.start(ctx.config.startup_sync_timeout)
     await ctx.health.start()
-    ctx.prewarmer.session = ctx.proxy.session
-    ctx.prewarmer.enabled = True
+    ctx.prewarmer.start()
     ctx.maintenance = asyncio.get_running_loop().create_task(_sweep_index(ctx))
     if ctx.config.k8s_selector:
         from router.fleet import k8s_discovery
@@ -232,7 +236,7 @@ async def stop(ctx: RouterContext) -> None:
     await ctx.health.close()
     if ctx.state is not None:
         await ctx.state.close(final_snapshot=True)
-    await ctx.proxy.close()
+    await ctx.connections.close()
 
 
 async def _sweep_index(ctx: RouterContext) -> None:

@@ -158,6 +158,17 @@ def doc_metric_names(markdown: str) -> set[str]:
     return {n for n in re.findall(r"\bprefixlb_[a-z0-9_]+", markdown) if not n.endswith("_")}
 
 
+def markdown_anchors(markdown: str) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to dashes (a ``#`` line
+    inside a fenced code block is a comment, not a heading)."""
+    anchors = set()
+    for line in re.sub(r"^```.*?^```", "", markdown, flags=re.S | re.M).splitlines():
+        m = re.match(r"^#{1,6}\s+(.*)$", line)
+        if m:
+            anchors.add(re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-"))
+    return anchors
+
+
 def markdown_section(markdown: str, heading: str) -> str:
     """The text under the heading line ``heading`` up to the next heading of the same or a higher level."""
     lines = markdown.splitlines()

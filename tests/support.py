@@ -1,28 +1,26 @@
-"""Test support: free ports, real child processes, polling with a deadline (never bare sleeps)."""
+"""Test support: free ports, real child processes, polling with a deadline (never bare sleeps).
+
+``free_port`` and the readiness poll are ``protocol/loopback.py``'s, the ones the launcher and
+the benchmarks use; tests import them from here.
+"""
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, TypeVar
 
+from protocol.loopback import free_port, http_ok, wait_http_ok
+
+__all__ = ["ROOT", "Proc", "free_port", "http_ok", "processes", "spawn", "wait_for"]
+
 ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(predicate: Callable[[], T], timeout: float = 30.0, interval: float = 0.05,
@@ -39,15 +37,6 @@ def wait_for(predicate: Callable[[], T], timeout: float = 30.0, interval: float 
             last_exc = exc
         time.sleep(interval)
     raise TimeoutError(f"timed out after {timeout}s waiting for {what}" + (f": {last_exc!r}" if last_exc else ""))
-
-
-def http_ok(url: str, timeout: float = 1.0) -> bool:
-    """True when GET ``url`` answers 2xx."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return 200 <= resp.status < 300
-    except (urllib.error.URLError, OSError):
-        return False
 
 
 @dataclass
@@ -99,15 +88,12 @@ def spawn(args: list[str], log_dir: Path, name: str, port: int | None = None,
     popen = subprocess.Popen([sys.executable, "-m", "prefixlb", *args], stdout=fh,
                              stderr=subprocess.STDOUT, env=full_env, cwd=ROOT)
     proc = Proc(args=args, popen=popen, log=log, port=port)
-    if ready_path is not None and port is not None:
-        try:
-            wait_for(lambda: not proc.alive() or http_ok(proc.url + ready_path), timeout,
-                     what=f"{name} at {proc.url}{ready_path}")
-        except TimeoutError:
-            proc.stop()
-            raise
+    if ready_path is not None and port is not None and not wait_http_ok(proc.url + ready_path, timeout,
+                                                                         alive=proc.alive):
         if not proc.alive():
             raise RuntimeError(f"{name} exited early:\n{proc.output()[-4000:]}")
+        proc.stop()
+        raise TimeoutError(f"timed out after {timeout}s waiting for {name} at {proc.url}{ready_path}")
     return proc
 
 

@@ -4,6 +4,8 @@
                    [--rate R | --concurrency N] [--duration D] [--out DIR]
     prefixlb bench compare RUN_DIR... [--out DIR]
     prefixlb bench report [--out DIR] [--quick]      (the routing report of docs/benchmarks.md)
+    prefixlb bench cascade --dataset FILE --out DIR [--price-book FILE] [--seed N]
+                                                     (cascade judges on recorded answers, offline)
 """
 from __future__ import annotations
 
@@ -83,11 +85,42 @@ def _compare(argv: list[str]) -> int:
     return 0
 
 
+def _cascade(argv: list[str]) -> int:
+    from bench.cascade_eval.dataset import DatasetError
+    from bench.cascade_eval.report import GSM8K_BOOK, run_offline, write_cascade_report
+    from router.cost.price_book import PriceBookError, load_price_book
+
+    parser = argparse.ArgumentParser(
+        prog="prefixlb bench cascade",
+        description="Cascade judges vs always-weak, always-strong and random routing on recorded answers: "
+                    "thresholds chosen on one half, reported on the other (offline: the judges read the "
+                    "recorded answers directly; the run over the router comes with its wiring).")
+    parser.add_argument("--dataset", required=True, help="responses CSV (RouteLLM layout)")
+    parser.add_argument("--out", default="runs/cascade", help="output directory")
+    parser.add_argument("--price-book", default=None, help="YAML price book naming both models "
+                                                           "(default: 2024 list prices of the GSM8K models)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the 50/50 split")
+    args = parser.parse_args(argv)
+    try:
+        book = load_price_book(args.price_book) if args.price_book else GSM8K_BOOK
+        summary = run_offline(args.dataset, book, args.seed)
+        write_cascade_report(args.out, summary)
+    except (DatasetError, PriceBookError, ValueError, OSError) as exc:
+        print(f"prefixlb bench cascade: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps({name: {k: round(e[k], 6) for k in ("accuracy", "strong_share", "cost")}
+                      for name, e in summary["policies"].items()}, indent=1))
+    print(f"results in {args.out}")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     """Entry point of ``prefixlb bench``."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if argv and argv[0] == "compare":
         return _compare(argv[1:])
+    if argv and argv[0] == "cascade":
+        return _cascade(argv[1:])
     if argv and argv[0] == "report":
         from bench.routing_report import main as report_main
 

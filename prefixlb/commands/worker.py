@@ -1,12 +1,7 @@
 """``prefixlb worker``: one replica behind the OpenAI API (real engine or ``--simulate``)."""
 from __future__ import annotations
 
-import argparse
-import logging
-import sys
-
-from prefixlb.aio import run as run_loop
-from protocol.settings import SettingsError, build_parser, load_settings
+from prefixlb.server_command import ServerCommand
 from worker.server.config import ENV_PREFIX, ServerConfig, parse_size
 
 EXAMPLES = """examples:
@@ -17,30 +12,23 @@ EXAMPLES = """examples:
 """
 
 
-def main(argv: list[str]) -> int:
-    """Parse settings, run the worker until SIGTERM, return its exit status."""
-    parser = build_parser(ServerConfig, env_prefix=ENV_PREFIX, prog="prefixlb worker",
-                          description=__doc__, epilog=EXAMPLES,
-                          formatter_class=argparse.RawDescriptionHelpFormatter)
-    args = parser.parse_args(argv)
-    try:
-        cfg = load_settings(ServerConfig, args, env_prefix=ENV_PREFIX)
-        if cfg.kv_memory:
-            parse_size(cfg.kv_memory)
-    except SettingsError as exc:
-        print(f"prefixlb worker: {exc}", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+def _load():
     from worker.engine.errors import ModelLoadError
     from worker.server.app import serve
     from worker.simulator.profiles import ProfileError
 
-    try:
-        return run_loop(serve(cfg))
-    except (ModelLoadError, ProfileError, ValueError) as exc:
-        print(f"prefixlb worker: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:  # e.g. the port is taken
-        print(f"prefixlb worker: cannot start: {exc}", file=sys.stderr)
-        return 1
+    return serve, (ModelLoadError, ProfileError, ValueError)
+
+
+def _check(cfg: ServerConfig) -> None:
+    if cfg.kv_memory:
+        parse_size(cfg.kv_memory)
+
+
+COMMAND = ServerCommand(name="worker", schema=ServerConfig, env_prefix=ENV_PREFIX, description=__doc__,
+                        epilog=EXAMPLES, load=_load, check=_check)
+
+
+def main(argv: list[str]) -> int:
+    """Parse settings, run the worker until SIGTERM, return its exit status."""
+    return COMMAND.main(argv)

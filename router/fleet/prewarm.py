@@ -19,7 +19,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import aiohttp
 
@@ -29,7 +29,8 @@ from router.routing.prompt import prompt_key
 if TYPE_CHECKING:
     from router.routing.balancer import Balancer
     from router.metrics import RouterMetrics
-    from router.fleet.registry import Worker, WorkerRegistry
+    from router.fleet.connections import WorkerConnections
+    from router.fleet.registry import Worker
 
 log = logging.getLogger("prefixlb.router.prewarm")
 
@@ -115,37 +116,45 @@ def warm_body(sample: bytes) -> bytes:
 
 
 class Prewarmer:
-    """Sends a joining worker the hottest prefixes, then lets it take traffic."""
+    """Sends a joining worker the hottest prefixes, then lets it take traffic.
 
-    def __init__(self, hot: HotPrefixes, top: int, timeout_s: float, registry: "WorkerRegistry",
+    It is the registry's ``warmup`` hook (:meth:`wants`) and sends through the router's pooled
+    ``connections``; it warms nobody before :meth:`start` (the fleet known at start-up joins
+    directly) or after :meth:`close`.
+    """
+
+    def __init__(self, hot: HotPrefixes, top: int, timeout_s: float, connections: "WorkerConnections",
                  balancer: "Balancer", metrics: "RouterMetrics", chunk_size: int, ring_key_chunks: int,
                  headers: dict[str, str] | None = None) -> None:
         self.hot = hot
         self.top = top
         self.timeout_s = timeout_s
-        self.registry = registry
+        self.connections = connections
         self.balancer = balancer
         self.metrics = metrics
         self.chunk_size = chunk_size
         self.ring_key_chunks = ring_key_chunks
         self.headers = {"Content-Type": "application/json", **(headers or {})}
-        self.session: aiohttp.ClientSession | None = None
-        self.enabled = False  # set once the router has started: the initial fleet joins directly
+        self.enabled = False
         self._tasks: set[asyncio.Task] = set()
+
+    def start(self) -> None:
+        """Warm every worker that joins from now on (the connections are open)."""
+        self.enabled = True
 
     def set_top(self, top: int) -> None:
         """Change K at run time (0 turns pre-warming, and the tracking of hot prefixes, off)."""
         self.top = top
         self.hot.capacity = max(self.hot.capacity, 4 * top)
 
-    def wants(self, w: "Worker") -> bool:
+    def wants(self, w: "Worker", warmed: Callable[["Worker"], None]) -> bool:
         """Registry hook for a worker that just passed its first probe: True if it is pre-warmed
-        first (this schedules it; the registry then waits for ``warmed``)."""
-        if not self.enabled or self.top <= 0 or self.session is None:
+        first (this schedules it, and calls ``warmed(w)`` when done, whatever the outcome)."""
+        if not self.enabled or self.top <= 0:
             return False
         if not self.hot.top(1, time.time(), w.models):
             return False
-        task = asyncio.get_running_loop().create_task(self._warm_then_route(w))
+        task = asyncio.get_running_loop().create_task(self._warm_then_route(w, warmed))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return True
@@ -161,17 +170,16 @@ class Prewarmer:
             except (asyncio.CancelledError, Exception):  # noqa: BLE001 - shutting down
                 pass
 
-    async def _warm_then_route(self, w: "Worker") -> None:
+    async def _warm_then_route(self, w: "Worker", warmed: Callable[["Worker"], None]) -> None:
         try:
             await asyncio.wait_for(self.warm(w, self.top), self.timeout_s)
         except asyncio.TimeoutError:
             log.warning("event=prewarm_timeout worker=%s timeout_s=%s", w.worker_id, self.timeout_s)
         finally:
-            self.registry.warmed(w)
+            warmed(w)
 
     async def warm(self, w: "Worker", k: int) -> dict[str, int]:
         """Send ``w`` the ``k`` hottest prefixes (``max_tokens=1``); returns ``{"sent", "ok"}``."""
-        assert self.session is not None
         items = self.hot.top(k, time.time(), w.models)
         semaphore = asyncio.Semaphore(CONCURRENCY)
         started = time.perf_counter()
@@ -187,7 +195,7 @@ class Prewarmer:
         return {"sent": len(items), "ok": ok}
 
     async def _send(self, w: "Worker", item: HotPrefix) -> bool:
-        assert self.session is not None and item.body is not None
+        assert item.body is not None
         try:
             body = warm_body(item.body)
             key = prompt_key(json.loads(body), item.path.endswith("/chat/completions"), self.chunk_size,
@@ -196,7 +204,7 @@ class Prewarmer:
             self.metrics.prewarm.labels("invalid").inc()
             return False
         try:
-            async with self.session.post(w.url + item.path, data=body, headers=self.headers) as resp:
+            async with self.connections.session.post(w.url + item.path, data=body, headers=self.headers) as resp:
                 await resp.read()
                 ok = resp.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):

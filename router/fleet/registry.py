@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 from protocol import LoadReport, WorkerInfo
 from router.routing.balancer import Balancer
@@ -79,11 +79,19 @@ class Worker:
                 "breaker_opens": self.breaker.opens, "last_ok": self.last_ok, "last_error": self.last_error}
 
 
+# warmup(w, warmed): True when it pre-warms ``w`` first and calls ``warmed(w)`` once done.
+Warmup = Callable[[Worker, Callable[[Worker], None]], bool]
+
+
 class WorkerRegistry:
     """Known workers by URL and by id, kept in step with the balancer's routable set."""
 
     def __init__(self, balancer: Balancer, unhealthy_after: int = 2, breaker: BreakerConfig | None = None,
-                 half_open_max_inflight: int = 2, url_policy: WorkerURLPolicy | None = None) -> None:
+                 half_open_max_inflight: int = 2, url_policy: WorkerURLPolicy | None = None,
+                 warmup: Warmup | None = None, on_routable: Iterable[Callable[[str], None]] = ()) -> None:
+        """``warmup(w, warmed)`` is asked about every worker about to take traffic: True means it
+        warms ``w`` first and calls ``warmed(w)`` when done (pre-warming); ``on_routable`` callbacks
+        hear of every worker that takes new requests now."""
         self.balancer = balancer
         self.breaker_config = breaker if breaker is not None else BreakerConfig(failure_threshold=unhealthy_after)
         self.half_open_max_inflight = half_open_max_inflight
@@ -94,8 +102,8 @@ class WorkerRegistry:
         self.on_added: list[Callable[[Worker], None]] = []      # start probing it
         self.on_removed: list[Callable[[Worker], None]] = []    # stop probing it
         self.on_unavailable: list[Callable[[str], None]] = []   # breaker opened: abandon its requests
-        self.on_routable: list[Callable[[str], None]] = []      # it takes new requests now
-        self.warmup: Callable[[Worker], bool] | None = None     # True: it warms the worker, then calls warmed()
+        self.on_routable: list[Callable[[str], None]] = list(on_routable)  # it takes new requests now
+        self.warmup = warmup
 
     # -- reads ------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -250,7 +258,7 @@ class WorkerRegistry:
 
     def _warm_then(self, w: Worker, state: str) -> None:
         w.after_warming = state
-        if self.warmup is not None and self.warmup(w):
+        if self.warmup is not None and self.warmup(w, self.warmed):
             self._set_state(w, WARMING)
         else:
             self._set_state(w, state)

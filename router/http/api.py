@@ -4,13 +4,12 @@
 Each inference request is read within the body limit, validated by ``protocol.openai_api``
 (the same rules the workers apply), rendered and hashed (``router/routing/prompt.py``), and handed to
 the proxy. Errors are raised as ``OpenAIError`` anywhere below and turned into OpenAI-shaped
-JSON here, once (see :func:`error_middleware`).
+JSON once, by ``protocol/http_errors.py``'s middleware (the worker's too); API keys on ``/v1/*``
+are ``protocol/api_keys.py``'s (see :func:`middlewares`).
 """
 from __future__ import annotations
 
-import hmac
 import json
-import logging
 import math
 import time
 from typing import Awaitable, Callable, Sequence
@@ -18,15 +17,14 @@ from typing import Awaitable, Callable, Sequence
 from aiohttp import web
 
 from protocol import RenderError
-from protocol.openai_api import (OpenAIError, RequestLimits, bad_request, error_body, model_not_found,
-                                 parse_request)
+from protocol.api_keys import api_key_middleware
+from protocol.http_errors import error_middleware
+from protocol.openai_api import RequestLimits, bad_request, model_not_found, parse_request
 from protocol.openai_body import read_limited_body
 from router.context import RouterContext
 from router.metrics import CONTENT_TYPE
 from router.routing.prompt import prompt_key, session_key_of
 from router.http.proxy import RETRY_AFTER_S, ProxyRequest
-
-log = logging.getLogger("prefixlb.router.api")
 
 CONTEXT = web.AppKey("context", RouterContext)
 HEADER_AFFINITY = "X-Prefixlb-Affinity"
@@ -34,53 +32,23 @@ FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def json_error(err: OpenAIError) -> web.Response:
-    """An OpenAI-shaped JSON error response."""
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if err.status in (429, 503) else None
-    return web.json_response(err.body(), status=err.status, headers=headers)
-
-
 @web.middleware
-async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Map every failure to an OpenAI-shaped error; nothing reaches the client as a bare 500."""
-    ctx = request.config_dict[CONTEXT]
-    try:
-        response = await handler(request)
-    except OpenAIError as err:
-        response = json_error(err)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        response = web.json_response(error_body(exc.reason, "invalid_request_error"), status=exc.status)
-    except Exception:  # noqa: BLE001 - the one place bugs become a clean 500
-        log.exception("event=handler_crashed path=%s", request.path)
-        response = web.json_response(error_body("Internal router error", "server_error"), status=500)
-    ctx.metrics.responses.labels(str(response.status)).inc()
+async def count_responses(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Count every answer by status (outside the error middleware, so errors count as answered)."""
+    response = await handler(request)
+    request.config_dict[CONTEXT].metrics.responses.labels(str(response.status)).inc()
     return response
+
+
+def middlewares(api_keys: Sequence[str]) -> list:
+    """The router's middlewares, outermost first: counting, errors (protocol's, shared with the
+    worker; 429 and 503 carry ``Retry-After``), then API keys on ``/v1/*``."""
+    return [count_responses, error_middleware(retry_after_s=RETRY_AFTER_S), api_key_middleware(api_keys)]
 
 
 async def read_body(request: web.Request, limit: int, timeout: float = 30.0) -> bytes:
     """The request body: a 413 as soon as it exceeds ``limit`` bytes, a 408 after ``timeout`` s."""
     return await read_limited_body(request.content_length, request.content, limit, timeout)
-
-
-def check_api_key(header: str | None, keys: Sequence[str]) -> None:
-    """Raise a 401 unless ``header`` is ``Bearer <one of keys>`` (no keys configured: open).
-
-    Every key is compared, in constant time, whatever matched, so timing says nothing about them.
-    """
-    if not keys:
-        return
-    scheme, _, given = (header or "").partition(" ")
-    if not header:
-        raise OpenAIError(401, "Missing API key: send 'Authorization: Bearer <key>'", "invalid_request_error",
-                          None, "missing_api_key")
-    candidate = given.strip().encode("utf-8", "surrogateescape")
-    matched = False
-    for key in keys:
-        matched |= hmac.compare_digest(candidate, key.encode("utf-8"))
-    if scheme.lower() != "bearer" or not matched:
-        raise OpenAIError(401, "Incorrect API key provided", "invalid_request_error", None, "invalid_api_key")
 
 
 def forwardable(name: str, value: str) -> str:
@@ -119,7 +87,6 @@ def with_include_usage(raw: bytes, body: dict) -> bytes:
 async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
     ctx = request.app[CONTEXT]
     cfg = ctx.config
-    check_api_key(request.headers.get("Authorization"), cfg.api_keys)
     raw = await read_body(request, cfg.max_body_bytes, cfg.body_timeout)
     parsed = parse_request(raw, chat, RequestLimits(max_body_bytes=cfg.max_body_bytes))
     body = parsed.body
@@ -146,8 +113,9 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
         headers["Authorization"] = f"Bearer {cfg.worker_api_key}"
     elif cfg.api_keys:
         headers.pop("Authorization", None)  # the client's key is for this router, not the workers
-    preq = ProxyRequest(request.path, upstream_body, prompt, parsed.stream, parsed.include_usage, affinity,
-                        headers, ctx.registry.excluded_for(parsed.model))
+    preq = ProxyRequest(path=request.path, body=upstream_body, prompt=prompt, stream=parsed.stream,
+                        client_wants_usage=parsed.include_usage, affinity=affinity, headers=headers,
+                        exclude=ctx.registry.excluded_for(parsed.model))
     return await ctx.proxy.handle(request, preq)
 
 
@@ -164,7 +132,6 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def models(request: web.Request) -> web.Response:
     """``GET /v1/models``: the union of the healthy workers' models."""
     ctx = request.app[CONTEXT]
-    check_api_key(request.headers.get("Authorization"), ctx.config.api_keys)
     data = [{"id": m, "object": "model", "created": 0, "owned_by": "prefixlb"} for m in ctx.registry.models()]
     return web.json_response({"object": "list", "data": data})
 

@@ -10,6 +10,8 @@ before its first byte is a failed attempt: the worker is excluded and the next d
 at most ``max_attempts`` times and only while the request is younger than ``retry_deadline_s``.
 Nothing has reached the client yet, so a retry is invisible to it. When no attempt is left the
 client gets an OpenAI-shaped 502 (``upstream_failed``); with no routable worker at all, a 503.
+Each attempt books its worker for the time it runs and releases the booking exactly once,
+however it ends (``router/http/booking.py``).
 
 **After the first byte** (streaming) the response is committed: if the worker fails, hangs, or
 ends its stream without ``data: [DONE]``, the client gets an SSE error event
@@ -44,13 +46,15 @@ from aiohttp import web
 
 from protocol.openai_api import SERVER_ERROR, SERVICE_UNAVAILABLE, OpenAIError, error_body
 from router.http.admission import RETRY_AFTER_S, Admission, Overloaded
-from router.routing.balancer import Balancer, Booking
+from router.routing.balancer import Balancer
+from router.fleet.connections import WorkerConnections
 from router.fleet.health import refused
 from router.metrics import RouterMetrics
 from router.routing.policy import Decision, NoCapacity
 from router.routing.prompt import PromptKey
 from router.fleet.registry import WorkerRegistry
-from router.http.sse import UsageTap, usage_numbers
+from router.http.booking import BookedAttempt, book
+from router.http.sse import UsageTap
 
 __all__ = ["Proxy", "ProxyRequest", "Overloaded", "RETRY_AFTER_S", "HEADER_WORKER", "HEADER_PREDICTED",
            "HEADER_REASON"]
@@ -67,9 +71,11 @@ NOT_HEALTH = ("aborted", "draining", "unknown")
 DONE_EVENT = b"data: [DONE]\n\n"
 
 
-@dataclass(slots=True)
+@dataclass(kw_only=True, slots=True)
 class ProxyRequest:
-    """A validated request, ready to route."""
+    """A validated request, ready to route: ``body`` is what the worker gets (``headers`` too),
+    ``client_wants_usage`` whether the client asked for the usage chunk the router always asks
+    for, ``exclude`` the workers that cannot serve its model."""
 
     path: str
     body: bytes
@@ -119,39 +125,21 @@ def upstream_failed(failure: _Failed | None) -> OpenAIError:
 
 
 class Proxy:
-    """Forwards requests to workers through one pooled client session."""
+    """Forwards requests to workers through the router's pooled ``connections``."""
 
     def __init__(self, balancer: Balancer, registry: WorkerRegistry, metrics: RouterMetrics,
-                 connect_timeout: float, read_timeout: float, max_attempts: int,
-                 retry_deadline_s: float = 30.0, admission: Admission | None = None) -> None:
+                 connections: WorkerConnections, max_attempts: int, retry_deadline_s: float = 30.0,
+                 admission: Admission | None = None) -> None:
         self.balancer = balancer
         self.registry = registry
         self.metrics = metrics
+        self.connections = connections
         self.max_attempts = max_attempts
         self.retry_deadline_s = retry_deadline_s
         self.admission = admission if admission is not None else Admission()
-        self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout, sock_read=read_timeout)
-        self._session: aiohttp.ClientSession | None = None
         self._guards: dict[str, set] = {}
         registry.on_unavailable.append(self.abort_worker)
         registry.on_removed.append(self._forget)
-
-    async def start(self) -> None:
-        """Open the pooled session to the workers."""
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=75.0)
-        self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout,
-                                              auto_decompress=False)
-
-    async def close(self) -> None:
-        """Close the session (and its pooled connections)."""
-        if self._session is not None:
-            await self._session.close()
-
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        """The pooled client session (for other requests to workers, e.g. pre-warming)."""
-        assert self._session is not None
-        return self._session
 
     def abort_worker(self, worker_id: str) -> int:
         """Expire every attempt in progress on ``worker_id`` now; returns how many."""
@@ -183,7 +171,6 @@ class Proxy:
     # -- the request ------------------------------------------------------------------------
     async def handle(self, request: web.Request, preq: ProxyRequest) -> web.StreamResponse:
         """Admit, route ``preq`` and answer ``request`` with the chosen worker's response."""
-        assert self._session is not None
         loop = asyncio.get_running_loop()
         arrived = loop.time()
         admission = self.admission
@@ -220,30 +207,19 @@ class Proxy:
             attempts += 1
             worker_id = decision.worker_id
             url = self.registry.url_of(worker_id)
-            booking = self.balancer.dispatch(decision, preq.prompt, time.time())
-            self.metrics.count_request(worker_id, decision.reason)
-            guard = self._guard(worker_id)
-            try:
-                if url is None:
-                    raise _Failed("unknown", "worker left the registry")
+            # Leaving this block (an answer, a failure, a client disconnect, a bug) releases the booking.
+            with book(self.balancer, self.metrics, decision, preq.prompt) as booking:
+                self.metrics.count_request(worker_id, decision.reason)
                 try:
-                    async with guard:
-                        upstream, first = await self._send(url, preq)
-                except TimeoutError:
-                    if not guard.expired():
-                        raise
-                    raise _Failed("aborted", "the worker was taken out of rotation") from None
-            except _Failed as exc:
-                self._attempt_failed(booking, exc, attempts)
-                excluded.add(worker_id)
-                failure = exc
-                continue
-            except BaseException:  # a client disconnect (cancellation) or a bug: release the booking
-                self.balancer.finish(booking, time.time())
-                raise
-            if preq.stream and upstream.status == 200:
-                return await self._stream(request, preq, booking, upstream, first)
-            return self._complete(booking, upstream, first)
+                    upstream, first = await self._send_guarded(worker_id, url, preq)
+                except _Failed as exc:
+                    failure = exc
+                else:
+                    if preq.stream and upstream.status == 200:
+                        return await self._stream(request, preq, booking, upstream, first)
+                    return self._complete(booking, upstream, first)
+            self._attempt_failed(worker_id, failure, attempts)
+            excluded.add(worker_id)
 
     async def _decide(self, preq: ProxyRequest, excluded: set[str], failure: _Failed | None,
                       deadline: float, queued: bool) -> Decision | None:
@@ -268,10 +244,9 @@ class Proxy:
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
         return decision
 
-    def _attempt_failed(self, booking: Booking, exc: _Failed, attempt: int) -> None:
+    def _attempt_failed(self, worker_id: str, exc: _Failed, attempt: int) -> None:
+        """Count a failed attempt (its booking already released) against its worker."""
         now = time.time()
-        self.balancer.finish(booking, now)
-        worker_id = booking.decision.worker_id
         self.metrics.upstream_errors.labels(worker_id, exc.kind).inc()
         if exc.kind == "draining":
             self.registry.report_draining(worker_id)
@@ -284,11 +259,24 @@ class Proxy:
         if attempt < self.max_attempts:
             self.metrics.retries.inc()
 
+    async def _send_guarded(self, worker_id: str, url: str | None,
+                            preq: ProxyRequest) -> tuple[aiohttp.ClientResponse, bytes]:
+        """:meth:`_send` under an abortable guard: an abort of the worker is an ``aborted`` failure."""
+        if url is None:
+            raise _Failed("unknown", "worker left the registry")
+        guard = self._guard(worker_id)
+        try:
+            async with guard:
+                return await self._send(url, preq)
+        except TimeoutError:
+            if not guard.expired():
+                raise
+            raise _Failed("aborted", "the worker was taken out of rotation") from None
+
     async def _send(self, url: str, preq: ProxyRequest) -> tuple[aiohttp.ClientResponse, bytes]:
         """POST to the worker; then its first bytes (streaming 200) or its whole body (otherwise)."""
-        assert self._session is not None
         try:
-            upstream = await self._session.post(url + preq.path, data=preq.body, headers=preq.headers)
+            upstream = await self.connections.session.post(url + preq.path, data=preq.body, headers=preq.headers)
         except asyncio.TimeoutError as exc:
             raise _Failed("timeout", "timed out connecting") from exc
         except (aiohttp.ClientError, OSError) as exc:
@@ -313,7 +301,7 @@ class Proxy:
             raise
         return upstream, first
 
-    def _headers(self, booking: Booking, upstream: aiohttp.ClientResponse) -> dict[str, str]:
+    def _headers(self, booking: BookedAttempt, upstream: aiohttp.ClientResponse) -> dict[str, str]:
         headers = {name: upstream.headers[name] for name in PASS_BACK if name in upstream.headers}
         d = booking.decision
         headers[HEADER_WORKER] = d.worker_id
@@ -321,23 +309,20 @@ class Proxy:
         headers[HEADER_REASON] = d.reason
         return headers
 
-    def _complete(self, booking: Booking, upstream: aiohttp.ClientResponse, data: bytes) -> web.Response:
-        usage: dict[str, Any] | None = None
+    def _complete(self, booking: BookedAttempt, upstream: aiohttp.ClientResponse, data: bytes) -> web.Response:
         try:
-            now = time.time()
-            self.balancer.first_byte(booking, now)
+            booking.first_byte()
             if upstream.status == 200:
-                usage = _json_usage(data)
-                self.registry.request_ok(booking.decision.worker_id, now)
+                booking.usage = _json_usage(data)
+                self.registry.request_ok(booking.decision.worker_id, time.time())
             return web.Response(body=data, status=upstream.status, headers=self._headers(booking, upstream))
         finally:
             upstream.release()
-            self._finish(booking, usage)
 
-    async def _stream(self, request: web.Request, preq: ProxyRequest, booking: Booking,
+    async def _stream(self, request: web.Request, preq: ProxyRequest, booking: BookedAttempt,
                       upstream: aiohttp.ClientResponse, first: bytes) -> web.StreamResponse:
         worker_id = booking.decision.worker_id
-        self.balancer.first_byte(booking, time.time())
+        booking.first_byte()
         tap = UsageTap(strip=not preq.client_wants_usage)
         response = web.StreamResponse(status=200, headers=self._headers(booking, upstream))
         completed = False
@@ -372,7 +357,7 @@ class Proxy:
                 upstream.release()
             else:
                 upstream.close()  # drop the connection: the worker aborts the request
-            self._finish(booking, tap.usage)
+            booking.usage = tap.usage
 
     async def _pass_through(self, response: web.StreamResponse, upstream: aiohttp.ClientResponse,
                             tap: UsageTap, worker_id: str) -> _Failed | None:
@@ -408,13 +393,6 @@ class Proxy:
             if worker is not None:
                 self.registry.mark_failed(worker, f"stream: {failure.kind}: {failure}"[:200], time.time())
         log.warning("event=stream_failed worker=%s kind=%s detail=%r", worker_id, failure.kind, str(failure)[:200])
-
-    def _finish(self, booking: Booking, usage: dict[str, Any] | None) -> None:
-        numbers = usage_numbers(usage)
-        self.balancer.finish(booking, time.time(), numbers)
-        if numbers is not None and numbers[1] is not None:
-            self.metrics.observe_feedback(booking.decision.worker_id, booking.decision.predicted_cached_tokens,
-                                          numbers[0], numbers[1])
 
 
 def _status_failure(status: int, body: bytes) -> _Failed:

@@ -3,7 +3,8 @@
 The scripted worker speaks the worker HTTP API (``/load``, ``/v1/models``, ``/v1/completions``
 streaming and not) and lets a test decide exactly when each byte is sent, or that it fails --
 the only way to prove properties like "the first event reaches the client before the worker
-has finished" or "a client disconnect reaches the worker" without timing assumptions. The
+has finished" or "a client disconnect reaches the worker" without timing assumptions;
+``FaultyWorker`` adds the faults (errors, a connection dropped mid-stream, hangs). The
 cluster tests (``test_router_cluster.py``) use real worker processes.
 """
 from __future__ import annotations
@@ -104,9 +105,10 @@ def _event(obj: dict) -> bytes:
 
 
 @contextlib.asynccontextmanager
-async def scripted_workers(*ids: str, model: str = "m") -> AsyncIterator[list[ScriptedWorker]]:
-    """Start scripted workers on free loopback ports."""
-    workers = [ScriptedWorker(i, model) for i in ids]
+async def scripted_workers(*ids: str, model: str = "m",
+                           kind: type[ScriptedWorker] = ScriptedWorker) -> AsyncIterator[list[ScriptedWorker]]:
+    """Start scripted workers (of class ``kind``) on free loopback ports."""
+    workers = [kind(i, model) for i in ids]
     try:
         for w in workers:
             w.server = TestServer(w.app(), host="127.0.0.1", port=free_port())
@@ -117,6 +119,50 @@ async def scripted_workers(*ids: str, model: str = "m") -> AsyncIterator[list[Sc
             w.gate.set()
             if w.server is not None:
                 await w.server.close()
+
+
+class FaultyWorker(ScriptedWorker):
+    """A scripted worker with faults. ``mode``: ``ok``, ``error`` (503), ``draining`` (503 as a
+    draining worker says it), ``die`` (first event, then the connection drops), ``no_done``
+    (a stream that ends without ``[DONE]``), ``hang`` (never answers); ``probe_hang`` makes its
+    ``/load`` hang too (a stopped process answers nothing)."""
+
+    probe_hang: bool = False
+    requests: int = 0
+
+    async def _load(self, request: web.Request) -> web.Response:
+        if self.probe_hang:
+            await asyncio.Event().wait()
+        return await super()._load(request)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        self.requests += 1
+        if self.mode == "hang":
+            await request.read()
+            await asyncio.Event().wait()
+        if self.mode == "draining":
+            await request.read()
+            return web.json_response({"error": {"message": "draining", "type": "service_unavailable_error",
+                                                "param": None, "code": "draining"}}, status=503)
+        if self.mode not in ("die", "no_done"):
+            return await super()._completions(request)
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(_event({"choices": [{"index": 0, "text": "a"}]}))
+        self.first_sent.set()
+        if self.mode == "die":
+            await self.gate.wait()
+            request.transport.abort()  # like a killed process: the connection just drops
+            return response
+        await response.write(_event({"choices": [{"index": 0, "text": "b", "finish_reason": "length"}]}))
+        await response.write_eof()  # a clean end, but no [DONE]
+        return response
+
+
+def faulty_workers(*ids: str) -> contextlib.AbstractAsyncContextManager[list[FaultyWorker]]:
+    """Start :class:`FaultyWorker` s on free loopback ports."""
+    return scripted_workers(*ids, kind=FaultyWorker)  # type: ignore[return-value]
 
 
 @contextlib.asynccontextmanager

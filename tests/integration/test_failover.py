@@ -1,6 +1,6 @@
 """Failover in the router's proxy, against scripted faulty workers over loopback HTTP.
 
-Each fault is scripted byte by byte (``FaultyWorker``), so every test knows exactly where the
+Each fault is scripted byte by byte (``router_harness.FaultyWorker``), so every test knows exactly where the
 failure falls: before the first byte (retried, invisible to the client), after it (a clean SSE
 error event, never a truncated success), or never (a hang, which the breaker ends).
 The real-process versions (kill -9, SIGSTOP) are in ``test_chaos.py``.
@@ -8,74 +8,15 @@ The real-process versions (kill -9, SIGSTOP) are in ``test_chaos.py``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-from typing import AsyncIterator
 
 import aiohttp
-from aiohttp import web
-from aiohttp.test_utils import TestServer
 
 from router.routing.prompt import prompt_key
-from tests.integration.router_harness import ScriptedWorker, _event, running_router, wait_until
-from tests.support import free_port
+from tests.integration.router_harness import faulty_workers, running_router, wait_until
 
 BODY = {"model": "m", "prompt": "Explain the indemnity clause. " * 12, "max_tokens": 2}
 STREAM = {**BODY, "stream": True}
-
-
-class FaultyWorker(ScriptedWorker):
-    """A scripted worker with faults. ``mode``: ``ok``, ``error`` (503), ``draining`` (503 as a
-    draining worker says it), ``die`` (first event, then the connection drops), ``no_done``
-    (a stream that ends without ``[DONE]``), ``hang`` (never answers); ``probe_hang`` makes its
-    ``/load`` hang too (a stopped process answers nothing)."""
-
-    probe_hang: bool = False
-    requests: int = 0
-
-    async def _load(self, request: web.Request) -> web.Response:
-        if self.probe_hang:
-            await asyncio.Event().wait()
-        return await super()._load(request)
-
-    async def _completions(self, request: web.Request) -> web.StreamResponse:
-        self.requests += 1
-        if self.mode == "hang":
-            await request.read()
-            await asyncio.Event().wait()
-        if self.mode == "draining":
-            await request.read()
-            return web.json_response({"error": {"message": "draining", "type": "service_unavailable_error",
-                                                "param": None, "code": "draining"}}, status=503)
-        if self.mode not in ("die", "no_done"):
-            return await super()._completions(request)
-        await request.read()
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        await response.write(_event({"choices": [{"index": 0, "text": "a"}]}))
-        self.first_sent.set()
-        if self.mode == "die":
-            await self.gate.wait()
-            request.transport.abort()  # like a killed process: the connection just drops
-            return response
-        await response.write(_event({"choices": [{"index": 0, "text": "b", "finish_reason": "length"}]}))
-        await response.write_eof()  # a clean end, but no [DONE]
-        return response
-
-
-@contextlib.asynccontextmanager
-async def faulty_workers(*ids: str) -> AsyncIterator[list[FaultyWorker]]:
-    workers = [FaultyWorker(i) for i in ids]
-    try:
-        for w in workers:
-            w.server = TestServer(w.app(), host="127.0.0.1", port=free_port())
-            await w.server.start_server()
-        yield workers
-    finally:
-        for w in workers:
-            w.gate.set()
-            if w.server is not None:
-                await w.server.close()
 
 
 def _args(workers, *extra: str) -> list[str]:

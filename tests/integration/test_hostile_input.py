@@ -142,6 +142,45 @@ def test_header_abuse_on_the_worker_gets_a_4xx_in_openai_shape_too(servers, head
     assert call(worker.url + "/health").status == 200
 
 
+NO_KEY, OWN_KEY, WRONG_KEY = "none", "own", "wrong"
+COMPLETION = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+
+
+def _error(message: str, type_: str, code: str | None = None, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+# (method, path, key, body, status, Allow, error body): what both servers answer, byte for byte.
+EDGE_CASES = [
+    ("GET", "/nowhere", NO_KEY, None, 404, None, _error("Not Found", "not_found_error")),
+    ("POST", "/v1/nowhere", OWN_KEY, COMPLETION, 404, None, _error("Not Found", "not_found_error")),
+    ("GET", "/v1/completions", OWN_KEY, None, 405, "POST", _error("Method Not Allowed", "invalid_request_error")),
+    ("DELETE", "/v1/chat/completions", OWN_KEY, None, 405, "POST",
+     _error("Method Not Allowed", "invalid_request_error")),
+    ("POST", "/v1/models", OWN_KEY, None, 405, "GET,HEAD", _error("Method Not Allowed", "invalid_request_error")),
+    # Without a key, /v1/ says nothing, not even which paths exist.
+    ("GET", "/v1/nowhere", NO_KEY, None, 401, None,
+     _error("Missing API key: send 'Authorization: Bearer <key>'", "invalid_request_error", "missing_api_key")),
+    ("GET", "/v1/models", WRONG_KEY, None, 401, None,
+     _error("Incorrect API key provided", "invalid_request_error", "invalid_api_key")),
+    ("POST", "/v1/completions", OWN_KEY, {**COMPLETION, "max_tokens": 0}, 400, None,
+     _error("'max_tokens' must be between 1 and 1048576, got 0", "invalid_request_error", None, "max_tokens")),
+]
+
+
+@pytest.mark.parametrize("method,path,key,body,status,allow,error", EDGE_CASES,
+                         ids=[f"{c[0]} {c[1]} key={c[2]}" for c in EDGE_CASES])
+def test_router_and_worker_answer_the_same_errors_at_their_http_edge(servers, method, path, key, body, status,
+                                                                     allow, error):
+    router, worker = servers
+    replies = []
+    for proc, own in ((router, CLIENT_KEY), (worker, WORKER_KEY)):
+        headers = {} if key == NO_KEY else {"Authorization": f"Bearer {own if key == OWN_KEY else 'wrong'}"}
+        reply = call(proc.url + path, method, body, headers=headers)
+        replies.append((reply.status, reply.headers.get("allow"), reply.json))
+    assert replies == [(status, allow, error)] * 2
+
+
 def test_a_slow_client_is_cut_off_with_a_408(servers):
     router, _ = servers
     with socket.create_connection(("127.0.0.1", router.port), timeout=10) as s:

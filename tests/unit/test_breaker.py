@@ -56,8 +56,8 @@ def test_successes_close_a_half_open_breaker_and_one_failure_reopens_it_for_twic
     assert (b.state, b.cool_down_s) == (CLOSED, 1.0)  # a closed breaker forgets the back-off
 
 
-def _registry() -> tuple[WorkerRegistry, object]:
-    reg = WorkerRegistry(Balancer(), breaker=CONFIG, half_open_max_inflight=1)
+def _registry(warmup=None) -> tuple[WorkerRegistry, object]:
+    reg = WorkerRegistry(Balancer(), breaker=CONFIG, half_open_max_inflight=1, warmup=warmup)
     w = reg.add("http://127.0.0.1:9001", "flag")
     reg.mark_ok(w, now=0.0, report=LoadReport("w1", max_num_seqs=8))
     return reg, w
@@ -103,12 +103,19 @@ def test_a_failed_trial_takes_a_recovering_worker_out_again():
 
 
 def test_a_worker_coming_back_from_a_failure_is_prewarmed_before_its_trial_requests():
-    reg, w = _registry()
-    warmed = []
-    reg.warmup = lambda worker: warmed.append(worker.worker_id) or True  # "I will warm it, then call warmed()"
+    warming, done = [], []
+
+    def warmup(worker, warmed) -> bool:  # "I will warm it, then call warmed(worker)"
+        if worker.state != UNHEALTHY:
+            return False  # nothing hot yet when it first joined
+        warming.append(worker.worker_id)
+        done.append(warmed)
+        return True
+
+    reg, w = _registry(warmup)
     for t in (1.0, 1.1, 1.2):
         reg.mark_failed(w, "timeout", now=t)
     reg.mark_ok(w, now=2.5, report=LoadReport("w1"))
-    assert (w.state, warmed, reg.balancer.routable()) == (WARMING, ["w1"], [])
-    reg.warmed(w)
+    assert (w.state, warming, reg.balancer.routable()) == (WARMING, ["w1"], [])
+    done[0](w)
     assert (w.state, reg.balancer.routable()) == (RECOVERING, ["w1"])

@@ -8,8 +8,10 @@ these tests read. Each service's command is then checked against the real ``pref
 """
 from __future__ import annotations
 
+import inspect
 import json
 import os
+import re
 import shutil
 import subprocess
 from urllib.parse import urlparse
@@ -166,6 +168,31 @@ def test_servers_listen_on_the_port_their_image_health_checks_and_routers_publis
     published = sorted((p["published"], p["target"]) for n, s in _services(resolved, "router-").items()
                        for p in s["ports"])
     assert published == [("8000", 8000), ("8001", 8000)]
+
+
+def _seconds(duration: str) -> float:
+    """A Go duration as Compose prints it (``1m15s``, ``45s``), in seconds."""
+    parts = re.findall(r"([0-9.]+)(ms|h|m|s)", duration)
+    assert "".join(n + u for n, u in parts) == duration, duration
+    return sum(float(n) * {"h": 3600, "m": 60, "s": 1, "ms": 0.001}[u] for n, u in parts)
+
+
+# Beyond its drain, what a server does before it exits: a worker deregisters and stops its engine,
+# a router writes its index snapshot and closes Redis.
+SHUTDOWN_MARGIN_S = 10
+
+
+def test_docker_waits_for_workers_to_drain_and_routers_to_finish_their_streams(resolved):
+    """Docker sends SIGKILL after stop_grace_period (10 s unless set): it must outlast the drain."""
+    from aiohttp import web
+
+    for name, service in _services(resolved, "worker-").items():
+        cfg = load_server_config(service["command"], environ=service.get("environment") or {})
+        assert _seconds(service["stop_grace_period"]) >= cfg.drain_timeout + SHUTDOWN_MARGIN_S, name
+    # The router's in-flight requests get what aiohttp's runner gives them on cleanup.
+    in_flight = inspect.signature(web.BaseRunner.__init__).parameters["shutdown_timeout"].default
+    for name, service in _services(resolved, "router-").items():
+        assert _seconds(service["stop_grace_period"]) >= in_flight + SHUTDOWN_MARGIN_S, name
 
 
 def test_workers_build_the_cpu_variant_of_the_worker_image(resolved):

@@ -10,8 +10,8 @@ import re
 import yaml
 
 from tests.deploy_support import (
-    ALERTS_FILE, DASHBOARD_FILE, alert_exprs, dashboard_exprs, markdown_section, promql_matchers,
-    promql_metric_names,
+    ALERTS_FILE, DASHBOARD_FILE, alert_exprs, dashboard_exprs, markdown_anchors, markdown_section,
+    promql_matchers, promql_metric_names,
 )
 from tests.support import ROOT
 
@@ -26,16 +26,6 @@ def test_promql_metric_names_are_the_selected_series_not_functions_labels_or_dur
             '[$__rate_interval]))) / on (worker) group_left max(b_total offset 1h) > 2 * avg(c) and up == 0'
             ' unless d:recorded:rate5m[5m:1m] > bool 1e3')
     assert promql_metric_names(expr) == {"a_seconds_bucket", "b_total", "c", "up", "d:recorded:rate5m"}
-
-
-def _anchors(markdown: str) -> set[str]:
-    """GitHub's heading anchors: lower case, punctuation dropped, spaces to dashes."""
-    anchors = set()
-    for line in markdown.splitlines():
-        m = re.match(r"^#{1,6}\s+(.*)$", line)
-        if m:
-            anchors.add(re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-"))
-    return anchors
 
 
 def test_dashboard_is_a_provisionable_grafana_dashboard():
@@ -109,9 +99,9 @@ def test_workers_out_of_rotation_are_the_states_the_router_does_not_route_to():
     assert set(value.split("|")) == set(ROUTABLE)
 
 
-def test_alert_rules_are_complete_and_point_at_the_operations_guide():
+def test_alert_rules_are_complete_and_their_runbook_urls_are_headings_of_the_operations_guide():
     rules = [r for g in yaml.safe_load(ALERTS_FILE.read_text())["groups"] for r in g["rules"]]
-    anchors = _anchors((ROOT / "docs/operations.md").read_text())
+    anchors = markdown_anchors((ROOT / "docs/operations.md").read_text())
     names = [r["alert"] for r in rules]
     assert len(names) == len(set(names))
     for rule in rules:
@@ -119,8 +109,10 @@ def test_alert_rules_are_complete_and_point_at_the_operations_guide():
         assert re.fullmatch(r"\d+[smh]", rule["for"]), rule["alert"]
         assert rule["labels"]["severity"] in ("warning", "critical")
         assert rule["annotations"]["summary"] and rule["annotations"]["description"]
-        path, _, anchor = rule["annotations"]["runbook"].partition("#")
-        assert path == "docs/operations.md" and anchor in anchors, rule["annotations"]["runbook"]
+        # runbook_url: the annotation name Alertmanager templates and Grafana link to.
+        assert set(rule["annotations"]) == {"summary", "description", "runbook_url"}, rule["alert"]
+        path, _, anchor = rule["annotations"]["runbook_url"].partition("#")
+        assert path == "docs/operations.md" and anchor in anchors, rule["annotations"]["runbook_url"]
         assert rule["expr"].count("(") == rule["expr"].count(")"), rule["alert"]
 
 

@@ -2,8 +2,9 @@
 
 There is no Docker engine here, so the images are not built; instead the Dockerfiles are parsed
 with the official BuildKit parser (``dockerfile``), linted with hadolint, and their contents are
-checked against the code: the router image carries every distribution the router imports and
-no torch; the health-check script is run against real HTTP servers.
+checked against the code and the package: the router image carries every distribution the
+router imports and everything `pip install prefixlb[k8s]` would install, and no torch; the worker
+image what `prefixlb[worker]` would; the health-check script is run against real HTTP servers.
 """
 from __future__ import annotations
 
@@ -18,15 +19,12 @@ from pathlib import Path
 import dockerfile
 import pytest
 
+from tests.packaging_support import OUR_PACKAGES, closure, declared_requirements, imported_distributions, normalize
 from tests.support import ROOT, free_port
 
 DOCKER = ROOT / "docker"
 IMAGES = ("router", "worker")
 PINNED_TAG = re.compile(r"^[\w./-]+:\d+(\.\d+)+[\w.-]*$")  # e.g. python:3.12.12-slim-bookworm
-# Imported only when installed (``try: import ... except ImportError``), and not installed in the
-# images: the kubernetes client's dynamic module uses kubernetes-validate if it finds it (our tests
-# install it).
-OPTIONAL_IMPORTS = frozenset({"kubernetes_validate"})
 PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([0-9][\w.+!-]*)$")
 
 
@@ -56,12 +54,8 @@ def _requirements(image: str) -> dict[str, str]:
             continue
         m = PIN.match(line)
         assert m, f"requirements-{image}.txt: {line!r} is not pinned with =="
-        pins[_normalize(m.group(1))] = m.group(2)
+        pins[normalize(m.group(1))] = m.group(2)
     return pins
-
-
-def _normalize(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 @pytest.mark.parametrize("image", IMAGES)
@@ -143,27 +137,9 @@ def test_every_copied_path_exists_and_is_in_the_build_context(image):
     assert not _dockerignore_allows(ignore, "router/__pycache__/app.cpython-312.pyc")
 
 
-def _imported_distributions(modules: list[str]) -> set[str]:
-    """Distributions (normalized names) a fresh interpreter loads when importing ``modules``."""
-    code = (
-        "import sys, importlib, importlib.metadata as md\n"
-        "at_startup = set(sys.modules)  # site hooks (.pth files) are not the code's imports\n"
-        f"for m in {sorted(OPTIONAL_IMPORTS)!r}: sys.modules[m] = None  # absent in the images\n"
-        f"for m in {modules!r}: importlib.import_module(m)\n"
-        "dists = md.packages_distributions()\n"
-        "ours = {'prefixlb', 'router', 'worker', 'protocol', 'kernels', 'bench', 'tests'}\n"
-        "loaded = {n for n, mod in sys.modules.items() if mod is not None}\n"
-        "tops = {n.split('.')[0] for n in loaded - at_startup} - ours - set(sys.stdlib_module_names)\n"
-        "print('\\n'.join(sorted({d for t in tops for d in dists.get(t, [])})))\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return {_normalize(line) for line in proc.stdout.split()}
-
-
 def test_router_image_pins_every_distribution_the_router_imports():
     # router.fleet.k8s_discovery imports the kubernetes client only with --k8s-selector: import it too.
-    used = _imported_distributions(["prefixlb.cli", "prefixlb.commands.router", "router.app",
+    used = imported_distributions(["prefixlb.cli", "prefixlb.commands.router", "router.app",
                                     "router.fleet.k8s_discovery", "kubernetes.client", "kubernetes.watch"])
     assert "torch" not in used, "the router imports torch: the slim image could not run it"
     missing = sorted(used - set(_requirements("router")))
@@ -171,14 +147,33 @@ def test_router_image_pins_every_distribution_the_router_imports():
 
 
 def test_worker_image_pins_every_distribution_the_worker_imports():
-    used = _imported_distributions(["prefixlb.cli", "prefixlb.commands.worker", "worker.server.app",
+    used = imported_distributions(["prefixlb.cli", "prefixlb.commands.worker", "worker.server.app",
                                     "worker.simulator.runner"])
     provided = set(_requirements("worker")) | {"torch", "triton"}  # torch from TORCH_INDEX_URL
     missing = sorted(used - provided)
     assert missing == [], f"imported by the worker but not in docker/requirements-worker.txt: {missing}"
 
 
-OUR_PACKAGES = frozenset({"prefixlb", "protocol", "router", "worker", "kernels", "bench"})
+def test_router_image_pins_what_pip_install_prefixlb_k8s_installs_and_nothing_of_the_other_extras():
+    pins = set(_requirements("router"))
+    wanted = closure(declared_requirements(("k8s",)))
+    assert sorted(wanted - pins) == [], "docker/requirements-router.txt lacks part of prefixlb[k8s]"
+    extras_only = closure(declared_requirements(("worker", "bench"))) - wanted
+    assert sorted(pins & extras_only) == []
+    assert "torch" in extras_only and "matplotlib" in extras_only
+
+
+def test_worker_image_pins_what_pip_install_prefixlb_worker_installs_besides_torch():
+    pins = set(_requirements("worker"))
+    worker = declared_requirements(("worker",))
+    torch_own = closure([r for r in worker if normalize(r.name) in ("torch", "triton")])
+    wanted = closure([r for r in worker if normalize(r.name) not in ("torch", "triton")])
+    assert sorted(wanted - pins) == [], "docker/requirements-worker.txt lacks part of prefixlb[worker]"
+    # torch (from TORCH_INDEX_URL) brings its own dependencies, at the versions it was built for.
+    assert sorted(pins & (torch_own - wanted)) == []
+    assert not pins & {"matplotlib", "kubernetes"}
+
+
 SERVES = {"router": ["router.app", "router.fleet.k8s_discovery"], "worker": ["worker.server.app", "worker.simulator.runner"]}
 
 

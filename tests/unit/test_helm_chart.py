@@ -502,6 +502,17 @@ def test_prometheus_rule_and_dashboard_carry_the_files_in_deploy(rendered):
     assert json.loads(cm["data"]["prefixlb-dashboard.json"]) == dashboard
 
 
+def test_prometheus_rule_runbook_urls_become_links_under_a_base_url():
+    base = "https://git.example.com/prefixlb/blob/v0.1.0/"
+    docs = render_chart({"metrics": {"prometheusRule": {"enabled": True, "runbookBaseUrl": base}}})
+    rendered = {r["alert"]: r["annotations"]["runbook_url"]
+                for g in find(docs, "PrometheusRule")["spec"]["groups"] for r in g["rules"]}
+    alerts = yaml.safe_load((ROOT / "deploy/prometheus/alerts.yml").read_text())
+    expected = {r["alert"]: base + r["annotations"]["runbook_url"] for g in alerts["groups"] for r in g["rules"]}
+    assert rendered == expected
+    assert rendered["PrefixlbWorkerDown"] == base + "docs/operations.md#7-failure-modes"
+
+
 def test_network_policy_admits_only_routers_to_workers(rendered):
     policy = find(rendered["everything-on"], "NetworkPolicy", "-worker")
     sources = policy["spec"]["ingress"][0]["from"]

@@ -133,10 +133,11 @@ async def test_the_proxy_forgets_the_guards_of_workers_that_left():
     from router.routing.balancer import Balancer
     from router.metrics import RouterMetrics
     from router.http.proxy import Proxy
+    from router.fleet.connections import WorkerConnections
     from router.fleet.registry import WorkerRegistry
 
     registry = WorkerRegistry(Balancer())
-    proxy = Proxy(Balancer(), registry, RouterMetrics(), 1.0, 1.0, 1)
+    proxy = Proxy(Balancer(), registry, RouterMetrics(), WorkerConnections(1.0, 1.0), 1)
     for i in range(50):
         registry.add(f"http://127.0.0.1:{9000 + i}", "admin", f"pod-{i}")
         proxy._guard(f"pod-{i}")

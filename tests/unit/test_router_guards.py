@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import pytest
 
+from protocol.api_keys import check_api_key
 from protocol.openai_api import OpenAIError
-from router.http.api import check_api_key, forwardable
+from router.http.api import forwardable
 from router.fleet.worker_url import InvalidWorkerURL, WorkerURLPolicy
 
 

@@ -30,6 +30,8 @@ class ScheduledSequence:
     num_scheduled_tokens - 1`` (``new_token_ids``); the KV of the first ``num_computed_tokens``
     positions (cache hits included) is already in ``block_ids``. ``samples`` is True when the
     step reaches the sequence's last known token, so a new token is sampled.
+    ``prompt_token_ids`` is the request's whole prompt (the engine's list, read-only): a runner
+    that answers per prompt (the simulator's recorded-answer mode) reads it.
     """
 
     request_id: str
@@ -42,6 +44,7 @@ class ScheduledSequence:
     sampling_params: SamplingParams
     num_prompt_tokens: int
     num_output_tokens: int
+    prompt_token_ids: list[int] = field(default_factory=list)
 
     @property
     def context_len(self) -> int:

@@ -141,6 +141,7 @@ class Scheduler:
                 sampling_params=seq.sampling_params,
                 num_prompt_tokens=seq.num_prompt_tokens,
                 num_output_tokens=seq.num_output_tokens,
+                prompt_token_ids=seq.prompt_token_ids,
             ))
         return batch
 

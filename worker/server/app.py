@@ -8,11 +8,13 @@ Lifecycle of ``serve(config)``::
     -> wait for in-flight requests (--drain-timeout) -> deregister -> close -> exit 0
 
 Routes are in worker/server/api/: openai_routes (completions, chat, models), probes (health, load,
-metrics, server/model info, tokenize, render), errors (the one exception-to-HTTP mapping).
+metrics, server/model info, tokenize, render), errors (the worker's exceptions in OpenAI's shape).
+The error and API-key middlewares are protocol's, shared with the router.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 from dataclasses import dataclass
@@ -20,12 +22,12 @@ from typing import Callable
 
 from aiohttp import web
 
-from protocol.http_errors import OpenAIErrorServer
+from protocol.api_keys import api_key_middleware
+from protocol.http_errors import app_runner
 from protocol.keys import RedisKeys
 from protocol.messages import KV_CLEARED
 from protocol.openai_api import RequestLimits
 from worker.server.api import openai_routes, probes
-from worker.server.api.auth import api_key_middleware
 from worker.server.api.context import CTX, WorkerContext
 from worker.server.api.errors import error_middleware
 from worker.engine.async_engine import AsyncLLMEngine
@@ -34,6 +36,7 @@ from worker.engine.llm_engine import LLMEngine
 from worker.server.kv_events import KVEventMapper
 from worker.server.publisher import RedisPublisher
 from worker.server.config import ServerConfig
+from worker.simulator.recorded import RecordedAnswers
 
 log = logging.getLogger("prefixlb.worker.server")
 
@@ -48,23 +51,29 @@ class BuiltEngine:
     engine: LLMEngine
     info: dict
     metrics: Callable[[], dict[str, float]] | None = None
+    answers: RecordedAnswers | None = None  # the recorded-answer mode's prompts
 
 
 def build_engine(cfg: ServerConfig) -> BuiltEngine:
     """The engine ``cfg`` asks for."""
     if cfg.simulate:
+        from worker.simulator.recorded import RecordedAnswers
         from worker.simulator.runner import build_simulated_engine
 
+        answers = (RecordedAnswers.from_csv(cfg.sim_answers, cfg.sim_answers_model)
+                   if cfg.sim_answers and cfg.sim_answers_model else None)
         engine, runner = build_simulated_engine(
             cfg.gpu, cfg.sim_model, tp=cfg.sim_tp, time_scale=cfg.time_scale,
             block_size=cfg.block_size, num_kv_blocks=cfg.kv_blocks, kv_memory_bytes=cfg.kv_memory_bytes,
             max_num_seqs=cfg.max_num_seqs or SIM_DEFAULT_MAX_NUM_SEQS,
             max_num_batched_tokens=cfg.max_num_batched_tokens or SIM_DEFAULT_MAX_BATCHED_TOKENS,
-            max_model_len=cfg.max_model_len, output_len=cfg.sim_output_len, seed=cfg.seed)
+            max_model_len=cfg.max_model_len, output_len=cfg.sim_output_len, seed=cfg.seed, answers=answers)
         info = {"gpu": runner.latency.gpu.name, "sim_model": runner.latency.model.name,
                 "tp_size": runner.latency.tp, "time_scale": cfg.time_scale}
+        if answers is not None:
+            info["recorded_answers"] = {"model": answers.model, "prompts": len(answers)}
         return BuiltEngine(engine, info, lambda: {"sim_modelled_seconds_total": runner.clock.modelled_s,
-                                                  "sim_steps_total": runner.steps})
+                                                  "sim_steps_total": runner.steps}, answers)
     config = EngineConfig(
         model=cfg.model, block_size=cfg.block_size, num_kv_blocks=cfg.kv_blocks,
         kv_memory_bytes=cfg.kv_memory_bytes, max_num_seqs=cfg.max_num_seqs or 32,
@@ -104,18 +113,17 @@ def create_app(ctx: WorkerContext) -> web.Application:
 def make_context(cfg: ServerConfig, engine: AsyncLLMEngine, built: BuiltEngine) -> WorkerContext:
     """The shared server state for ``cfg`` (the publisher too, when ``--redis`` is given)."""
     table = cfg.kv_event_table or max(1024, 4 * engine.engine.num_kv_blocks)
-    ctx = WorkerContext(engine=engine, model_name=cfg.model_name, worker_id=cfg.resolved_worker_id,
-                        url=cfg.advertise_url, chunk_size=cfg.chunk_size,
-                        limits=RequestLimits(max_body_bytes=cfg.max_body_bytes), simulated=cfg.simulate,
-                        info_extra=built.info, extra_metrics=built.metrics,
-                        body_timeout=cfg.body_timeout, mapper=KVEventMapper(max_blocks=table),
-                        api_keys=tuple(cfg.api_keys))
+    publisher = None
     if cfg.redis:
-        ctx.publisher = RedisPublisher(
-            cfg.redis, RedisKeys(cfg.redis_prefix), ctx.worker_info(), ctx.load_report,
-            heartbeat_interval=cfg.heartbeat_interval, ttl=cfg.registry_ttl,
-            stream_maxlen=cfg.kv_stream_maxlen, queue_size=cfg.publish_queue)
-    return ctx
+        publisher = functools.partial(RedisPublisher, cfg.redis, RedisKeys(cfg.redis_prefix),
+                                      heartbeat_interval=cfg.heartbeat_interval, ttl=cfg.registry_ttl,
+                                      stream_maxlen=cfg.kv_stream_maxlen, queue_size=cfg.publish_queue)
+    return WorkerContext(engine=engine, model_name=cfg.model_name, worker_id=cfg.resolved_worker_id,
+                         url=cfg.advertise_url, chunk_size=cfg.chunk_size,
+                         limits=RequestLimits(max_body_bytes=cfg.max_body_bytes), simulated=cfg.simulate,
+                         info_extra=built.info, extra_metrics=built.metrics,
+                         body_timeout=cfg.body_timeout, mapper=KVEventMapper(max_blocks=table),
+                         api_keys=tuple(cfg.api_keys), recorded=built.answers, publisher_factory=publisher)
 
 
 async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> int:
@@ -126,10 +134,7 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> int:
     async_engine.start()
     ctx = make_context(cfg, async_engine, built)
     async_engine.add_kv_event_listener(ctx.on_kv_events)
-    runner = web.AppRunner(create_app(ctx), handler_cancellation=True, access_log=None)
-    await runner.setup()
-    assert type(runner.server) is web.Server
-    runner.server.__class__ = OpenAIErrorServer  # malformed HTTP gets OpenAI-shaped JSON errors too
+    runner = await app_runner(create_app(ctx))  # malformed HTTP gets OpenAI-shaped JSON errors too
     site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True)
     await site.start()
     if ctx.publisher is not None:

@@ -74,6 +74,10 @@ class ServerConfig:
     sim_tp: int | None = setting(None, "simulated tensor-parallel degree (default: smallest that fits)", minimum=1)
     time_scale: float = setting(1.0, "simulated worker runs this many times faster than real time", minimum=1e-3)
     sim_output_len: int = setting(256, "simulated tokens before EOS (unless ignore_eos / max_tokens)", minimum=1)
+    sim_answers: str | None = setting(None, "simulated: answer each prompt with its recorded answer from this CSV "
+                                      "(columns prompt, <model>_response)")
+    sim_answers_model: str | None = setting(None, "simulated: the model whose recorded answers to replay "
+                                            "(its <model>_response column; default served name)")
     log_level: str = setting("info", "log level", choices=("debug", "info", "warning", "error"))
 
     @property
@@ -82,7 +86,7 @@ class ServerConfig:
         if self.served_model_name:
             return self.served_model_name
         if self.simulate:
-            return self.sim_model
+            return self.sim_answers_model or self.sim_model
         if self.model in PRESETS:
             return self.model
         return Path(self.model).resolve().name or self.model
@@ -111,4 +115,9 @@ def load_server_config(argv: Sequence[str] | None = None, environ: dict[str, str
     cfg = load_settings(ServerConfig, argv, env_prefix=ENV_PREFIX, environ=environ)
     if cfg.kv_memory:
         parse_size(cfg.kv_memory)  # refuse a bad size now, not when the engine starts
+    if cfg.sim_answers is not None and (not cfg.simulate or not cfg.sim_answers_model):
+        raise SettingsError("--sim-answers replays recorded answers on a simulated worker: it needs --simulate "
+                            "and --sim-answers-model")
+    if cfg.sim_answers_model is not None and cfg.sim_answers is None:
+        raise SettingsError("--sim-answers-model needs --sim-answers FILE")
     return cfg

@@ -20,6 +20,7 @@ import sys
 import time
 import urllib.request
 
+from protocol.loopback import free_port, wait_http_ok
 from worker.engine.sampling_params import SamplingParams
 from worker.simulator.runner import build_simulated_engine
 
@@ -48,21 +49,16 @@ def _post(url: str, body: dict) -> bytes:
         return resp.read()
 
 
-def http_overhead(port: int = 18999, n: int = 200) -> dict[str, float]:
-    """Median latency of a 1-token request and per-token cost of a 256-token stream, over HTTP."""
+def http_overhead(port: int | None = None, n: int = 200) -> dict[str, float]:
+    """Median latency of a 1-token request and per-token cost of a 256-token stream, over HTTP
+    (a worker on ``port``, a free one by default)."""
+    port = port or free_port()
     proc = subprocess.Popen([sys.executable, "-m", "prefixlb", "worker", "--simulate", "--time-scale", "1e6",
                              "--port", str(port), "--log-level", "warning"])
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1).read()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
+        if not wait_http_ok(url + "/health", 30, alive=lambda: proc.poll() is None):
+            raise RuntimeError(f"the simulated worker at {url} did not answer /health within 30 s")
         one, stream = [], []
         for i in range(n):
             t = time.perf_counter()

@@ -3,7 +3,7 @@
 GPU peak numbers are NVIDIA's datasheet values for the SXM parts, dense bf16 (no 2:4
 sparsity); ``hbm_bytes`` is the total memory the driver reports (``nvidia-smi``), which is
 a little below the marketing size. Model shapes are the ones in each model's Hugging Face
-``config.json``. Sources and derivations are listed in docs/architecture.md ("Simulated worker").
+``config.json``. Sources and derivations are listed in docs/simulator.md ("The latency model").
 """
 from __future__ import annotations
 

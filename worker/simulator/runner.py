@@ -4,7 +4,8 @@ The engine keeps everything real — scheduler, continuous batching, BlockPool, 
 preemption — and only ``execute`` is simulated: it sums the step's work into a
 :class:`~worker.simulator.latency.StepShape`, sleeps the modelled duration divided by the time
 scale, and returns deterministic tokens (a fixed text, then EOS after ``output_len`` tokens unless the request
-ignores EOS; ``max_tokens`` applies as usual).
+ignores EOS; ``max_tokens`` applies as usual), or, in the recorded-answer mode
+(:class:`RecordedAnswerRunner`), each prompt's recorded answer.
 
 Sleeps are scheduled on a virtual clock: each step ends ``duration / time_scale`` after the
 previous step's end, not after "now", so per-step Python overhead and sleep overshoot do not
@@ -18,9 +19,10 @@ from typing import Callable
 
 from worker.engine.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
-from worker.engine.runner import RunnerOutput, ScheduledBatch, TokenLogprob
+from worker.engine.runner import RunnerOutput, ScheduledBatch, ScheduledSequence, TokenLogprob
 from worker.simulator.latency import LatencyModel, StepShape
 from worker.simulator.profiles import get_gpu, get_model
+from worker.simulator.recorded import RecordedAnswers
 from worker.engine.stats import prefill_work
 from worker.engine.tokenizer import BYTE_EOS_ID, ByteTokenizer
 
@@ -83,6 +85,10 @@ class SimulatedRunner:
             return self.eos_token_id
         return SIM_TEXT[output_index % len(SIM_TEXT)]
 
+    def next_token(self, seq: ScheduledSequence) -> int:
+        """The token ``seq`` samples this step (the fixed text; the recorded-answer mode overrides)."""
+        return self.token_for(seq.num_output_tokens, seq.sampling_params.ignore_eos)
+
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         """Sleep the step's modelled time, then sample one token per sampling sequence.
 
@@ -98,7 +104,7 @@ class SimulatedRunner:
         for s in batch.seqs:
             if not s.samples:
                 continue
-            token = self.token_for(s.num_output_tokens, s.sampling_params.ignore_eos)
+            token = self.next_token(s)
             out.sampled_token_ids[s.request_id] = token
             k = s.sampling_params.logprobs
             if k is not None:
@@ -106,6 +112,45 @@ class SimulatedRunner:
                 top = [(token, 0.0)] + [((token + i) % 256, IMPOSSIBLE_LOGPROB) for i in range(1, k)]
                 out.logprobs[s.request_id] = TokenLogprob(token, 0.0, top[:k])
         return out
+
+
+class RecordedAnswerRunner(SimulatedRunner):
+    """The latency model's timing, and each prompt's recorded answer as the output tokens.
+
+    At a request's first sampling step its prompt is decoded and looked up in ``answers``;
+    the answer's tokens follow one per decode step, then EOS (past the answer, a request that
+    ignores EOS gets the fixed text). Logprobs stay the point mass of :class:`SimulatedRunner`:
+    this replay *is* deterministic, and nothing else would be honest — the recorded models'
+    own logprobs were not recorded (docs: "Cost accounting and judges").
+    """
+
+    def __init__(self, answers: RecordedAnswers, latency: LatencyModel, tokenizer: ByteTokenizer,
+                 time_scale: float = 1.0, output_len: int = 256, clock: VirtualClock | None = None) -> None:
+        super().__init__(latency, time_scale, output_len, tokenizer.eos_token_id or BYTE_EOS_ID, clock)
+        self.answers = answers
+        self.tokenizer = tokenizer
+        self._tokens: dict[str, list[int]] = {}
+
+    def answer_tokens(self, prompt_token_ids: list[int]) -> list[int] | None:
+        """The recorded answer's tokens for a prompt, or None when it was not recorded."""
+        text = self.answers.find(self.tokenizer.decode(prompt_token_ids))
+        return None if text is None else self.tokenizer.encode(text, add_bos=False)
+
+    def next_token(self, seq: ScheduledSequence) -> int:
+        tokens = self._tokens.get(seq.request_id)
+        if tokens is None:
+            tokens = self._tokens[seq.request_id] = self.answer_tokens(seq.prompt_token_ids) or []
+        k = seq.num_output_tokens
+        if k < len(tokens):
+            return tokens[k]
+        if seq.sampling_params.ignore_eos:
+            return SIM_TEXT[(k - len(tokens)) % len(SIM_TEXT)]
+        return self.eos_token_id
+
+    def execute(self, batch: ScheduledBatch) -> RunnerOutput:
+        for rid in batch.finished_request_ids:
+            self._tokens.pop(rid, None)
+        return super().execute(batch)
 
 
 def nominal_speed(latency: LatencyModel) -> tuple[float, float]:
@@ -123,12 +168,14 @@ def build_simulated_engine(gpu: str, model: str, *, tp: int | None = None, time_
                            kv_memory_bytes: int | None = None,
                            max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                            max_model_len: int | None = None, output_len: int = 256,
-                           seed: int = 0) -> tuple[LLMEngine, SimulatedRunner]:
+                           seed: int = 0, answers: RecordedAnswers | None = None
+                           ) -> tuple[LLMEngine, SimulatedRunner]:
     """An LLMEngine on a simulated ``model`` over ``tp`` x ``gpu`` (profile names).
 
     KV capacity is the latency model's unless ``num_kv_blocks`` (or ``kv_memory_bytes`` of KV
     cache per GPU) overrides it. The engine reports
     the profile's nominal speed (scaled by ``time_scale``) until it has measured its own steps.
+    With ``answers`` the outputs are those recorded answers (:class:`RecordedAnswerRunner`).
     """
     latency = LatencyModel(get_gpu(gpu), get_model(model), tp=tp)
     blocks = num_kv_blocks or latency.kv_capacity_blocks(block_size)
@@ -142,5 +189,7 @@ def build_simulated_engine(gpu: str, model: str, *, tp: int | None = None, time_
         max_model_len=max_model_len or latency.model.max_model_len, seed=seed,
         default_prefill_tokens_per_s=prefill_tps * time_scale,
         default_decode_step_s=decode_s / time_scale)
-    runner = SimulatedRunner(latency, time_scale=time_scale, output_len=output_len)
-    return LLMEngine(config, runner=runner, tokenizer=ByteTokenizer()), runner
+    tokenizer = ByteTokenizer()
+    runner = (SimulatedRunner(latency, time_scale=time_scale, output_len=output_len) if answers is None else
+              RecordedAnswerRunner(answers, latency, tokenizer, time_scale=time_scale, output_len=output_len))
+    return LLMEngine(config, runner=runner, tokenizer=tokenizer), runner

@@ -113,3 +113,21 @@ runAsNonRoot: true
 capabilities:
   drop: ["ALL"]
 {{- end -}}
+
+{{/*
+Pod-spec fields an operator adds to the router or worker pods (the component's values as the
+context): priority and runtime class, init containers. Extra volumes and mounts are added to the
+lists the templates already have.
+*/}}
+{{- define "prefixlb.podExtras" -}}
+{{- with .priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with .runtimeClassName }}
+runtimeClassName: {{ . }}
+{{- end }}
+{{- with .initContainers }}
+initContainers:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}

@@ -24,8 +24,12 @@ from worker.server.kv_events import KVEventMapper, request_chunks
 from worker.server.metrics import WorkerMetrics
 from worker.server.publisher import RedisPublisher
 from worker.engine.tokenizer import Tokenizer
+from worker.simulator.recorded import RecordedAnswers
 
 log = logging.getLogger("prefixlb.worker.server")
+
+# (registry entry, load-report provider) -> publisher: RedisPublisher with its settings bound.
+PublisherFactory = Callable[[WorkerInfo, Callable[[], LoadReport]], RedisPublisher]
 
 
 @dataclass(slots=True)
@@ -42,9 +46,12 @@ class WorkerContext:
     info_extra: dict = field(default_factory=dict)  # shown by /get_server_info
     extra_metrics: Callable[[], dict[str, float]] | None = None  # e.g. the simulator's clock
     body_timeout: float = 30.0
-    api_keys: tuple[str, ...] = ()  # required on /v1/* when set (worker/server/api/auth.py)
+    api_keys: tuple[str, ...] = ()  # required on /v1/* when set (protocol/api_keys.py)
+    recorded: RecordedAnswers | None = None  # the simulator's recorded-answer mode: prompts it can answer
     mapper: KVEventMapper = field(default_factory=KVEventMapper)
-    publisher: RedisPublisher | None = None
+    # With --redis: builds the publisher from this worker's registry entry and load reports.
+    publisher_factory: PublisherFactory | None = None
+    publisher: RedisPublisher | None = field(init=False, default=None)
     metrics: WorkerMetrics = field(init=False)
     draining: bool = False
     inflight: int = 0
@@ -54,6 +61,8 @@ class WorkerContext:
 
     def __post_init__(self) -> None:
         self.metrics = WorkerMetrics(self.engine.stats, self._extra_metrics)
+        if self.publisher_factory is not None:
+            self.publisher = self.publisher_factory(self.worker_info(), self.load_report)
         self._idle.set()
 
     @property

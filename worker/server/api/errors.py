@@ -1,65 +1,42 @@
-"""The one place exceptions become HTTP answers, and every answer gets the worker's name.
+"""The worker's own exceptions in OpenAI's shape, and its error middleware (which names the worker).
 
-Specific exceptions map to OpenAI-shaped errors: validation (:class:`OpenAIError`, already
-carrying its status), engine refusals (400), a dead engine loop (503), aiohttp's own routing
-errors (404 / 405, re-shaped). Anything else is a bug: logged with its traceback and answered
-500 ``server_error`` without details, and the server keeps serving.
+The mapping and the middleware are ``protocol/http_errors.py``'s, shared with the router; this
+module adds what only the worker raises: engine refusals (400), a dead engine loop (503), a
+failed engine step (500, logged), and a client that left while its request was read (400).
 """
 from __future__ import annotations
 
-import logging
+from typing import Callable
 
-from aiohttp import web
-
-from protocol.openai_api import (INVALID_REQUEST, NOT_FOUND, SERVER_ERROR, SERVICE_UNAVAILABLE,
-                                 OpenAIError)
+from protocol import http_errors
+from protocol.openai_api import INVALID_REQUEST, SERVER_ERROR, SERVICE_UNAVAILABLE, OpenAIError
 from worker.engine.errors import EngineDeadError, EngineStepError, InvalidRequestError
 
-log = logging.getLogger("prefixlb.worker.server")
 WORKER_HEADER = "X-Prefixlb-Worker-Id"
 
 
-def map_exception(exc: BaseException) -> tuple[int, OpenAIError]:
-    """The HTTP status and OpenAI error for ``exc``."""
-    if isinstance(exc, OpenAIError):
-        return exc.status, exc
+def engine_error(exc: Exception) -> OpenAIError | None:
+    """The OpenAI error for an exception only the worker raises; None for any other."""
     if isinstance(exc, InvalidRequestError):
-        return 400, OpenAIError(400, str(exc), INVALID_REQUEST)
+        return OpenAIError(400, str(exc), INVALID_REQUEST)
     if isinstance(exc, EngineDeadError):
-        return 503, OpenAIError(503, "The engine has stopped; this worker cannot serve", SERVICE_UNAVAILABLE,
-                                code="engine_dead")
+        return OpenAIError(503, "The engine has stopped; this worker cannot serve", SERVICE_UNAVAILABLE,
+                           code="engine_dead")
     if isinstance(exc, EngineStepError):
-        return 500, OpenAIError(500, "The engine failed while computing this request", SERVER_ERROR,
-                                code="engine_step_failed")
+        return OpenAIError(500, "The engine failed while computing this request", SERVER_ERROR,
+                           code="engine_step_failed")
     if isinstance(exc, ConnectionResetError):
         # The client went away while we read its request (e.g. a router gave up on this worker
         # while it was stopped): nobody will read the answer, and it is not a server error.
-        return 400, OpenAIError(400, "The client closed the connection", INVALID_REQUEST,
-                                code="client_disconnected")
-    if isinstance(exc, web.HTTPException):
-        kind = NOT_FOUND if exc.status == 404 else INVALID_REQUEST
-        return exc.status, OpenAIError(exc.status, exc.reason, kind)
-    return 500, OpenAIError(500, "Internal server error", SERVER_ERROR)
+        return OpenAIError(400, "The client closed the connection", INVALID_REQUEST, code="client_disconnected")
+    return None
 
 
-def error_middleware(worker_id: str, on_error=None):
-    """Middleware: map exceptions (see module docstring), name the worker on every response."""
+def map_exception(exc: Exception) -> OpenAIError:
+    """The OpenAI error (its ``status`` included) for anything a handler or a stream raised."""
+    return http_errors.openai_error(exc, engine_error)
 
-    @web.middleware
-    async def middleware(request: web.Request, handler) -> web.StreamResponse:
-        try:
-            resp = await handler(request)
-        except Exception as exc:  # noqa: BLE001 - this is the one mapping point
-            status, err = map_exception(exc)
-            if status >= 500 and not isinstance(exc, (OpenAIError, EngineDeadError)):
-                log.exception("event=request_failed path=%s status=%d", request.path, status)
-            if on_error is not None:
-                on_error(status)
-            resp = web.json_response(err.body(), status=status)
-            if isinstance(exc, web.HTTPMethodNotAllowed):
-                resp.headers["Allow"] = ",".join(sorted(exc.allowed_methods))
-        if not resp.prepared:
-            resp.headers[WORKER_HEADER] = worker_id
-        return resp
 
-    return middleware
+def error_middleware(worker_id: str, on_error: Callable[[int], None] | None = None):
+    """The shared error middleware with the worker's exceptions; every response names the worker."""
+    return http_errors.error_middleware(engine_error, on_error=on_error, headers={WORKER_HEADER: worker_id})

@@ -76,6 +76,10 @@ def prepare(ctx: WorkerContext, req: CompletionRequest | ChatCompletionRequest) 
     except RenderError as exc:
         raise bad_request(str(exc), exc.param) from None
     ids = prompt_token_ids(ctx, req)
+    if ctx.recorded is not None and ctx.recorded.find(ctx.tokenizer.decode(ids)) is None:
+        raise bad_request(f"{ctx.model_name} replays recorded answers and has none for this prompt (its question "
+                          "must be the completion prompt or the last user message, exactly)",
+                          "messages" if req.chat else "prompt", "prompt_not_recorded")
     limit = ctx.max_model_len
     param = "messages" if req.chat else "prompt"
     s = req.sampling

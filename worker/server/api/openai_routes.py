@@ -127,7 +127,8 @@ async def _stream(request: web.Request, ctx: WorkerContext, prep: PreparedReques
             log.info("event=client_disconnected request=%s", meta.id)  # closing `outputs` aborts
             return resp
         except Exception as exc:  # after the first byte: tell the client in-stream, then end
-            status, err = map_exception(exc)
+            err = map_exception(exc)
+            status = err.status
             if status >= 500:
                 log.error("event=stream_failed request=%s status=%d error=%r", meta.id, status, exc)
             ctx.metrics.errors.labels(str(status)).inc()

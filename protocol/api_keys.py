@@ -1,18 +1,21 @@
-"""Optional API keys for the worker's OpenAI endpoints (``/v1/*``; probes and metrics stay open).
+"""Optional API keys on the OpenAI endpoints (``/v1/*``) of both servers; probes and metrics stay open.
 
 With ``--api-key`` set (repeatable), every ``/v1/`` request must carry ``Authorization: Bearer
-<key>``: missing or wrong is a 401 in OpenAI's shape. Every configured key is compared in
-constant time, whatever matched, so response timing says nothing about the keys. The router
-sends its ``--worker-api-key``.
+<key>``: missing or wrong is a 401 in OpenAI's shape, before the route is even looked up (an
+unknown ``/v1/`` path or a wrong method says nothing to a client without a key). Every
+configured key is compared in constant time, whatever matched, so response timing says nothing
+about the keys. The router sends workers its ``--worker-api-key``.
 """
 from __future__ import annotations
 
 import hmac
-from typing import Sequence
+from typing import Awaitable, Callable, Sequence
 
 from aiohttp import web
 
-from protocol.openai_api import INVALID_REQUEST, OpenAIError
+from protocol.openai_errors import INVALID_REQUEST, OpenAIError
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def check_api_key(header: str | None, keys: Sequence[str]) -> None:
@@ -32,11 +35,11 @@ def check_api_key(header: str | None, keys: Sequence[str]) -> None:
 
 
 def api_key_middleware(keys: Sequence[str]):
-    """Middleware guarding ``/v1/*`` with :func:`check_api_key`."""
+    """Middleware guarding ``/v1/*`` with :func:`check_api_key` (goes inside the error middleware)."""
     keys = tuple(keys)
 
     @web.middleware
-    async def middleware(request: web.Request, handler) -> web.StreamResponse:
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path.startswith("/v1/"):
             check_api_key(request.headers.get("Authorization"), keys)
         return await handler(request)

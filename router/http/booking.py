@@ -1,0 +1,61 @@
+"""One attempt's booking of a worker, released exactly once, whichever way the attempt ends.
+
+Acting on a decision books the worker (``Balancer.dispatch``: the optimistic index insert and
+the request's work on the worker's load board); its first byte marks the prefill done
+(``Balancer.first_byte``); its end releases it (``Balancer.finish``), teaching the balancer the
+worker's usage when it answered with one (token ratio, cached-token feedback). An attempt ends
+in one of several ways -- an answer returned or streamed to its end, a failure before the first
+byte (then retried elsewhere), a client that went away, a worker failing mid-stream, a bug --
+and each must release the booking exactly once: a leak leaves the worker looking busy for
+good, a second release makes it look idler than it is.
+
+:func:`book` returns the booking as a context manager: leaving the ``with`` block releases it,
+by any exit, and nothing else does.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from router.metrics import RouterMetrics
+from router.routing.balancer import Balancer, Booking
+from router.routing.policy import Decision
+from router.routing.prompt import PromptKey
+from router.http.sse import usage_numbers
+
+
+class BookedAttempt:
+    """A worker booked for one attempt (see the module docstring); ``usage`` is what the worker
+    reported (its usage object), set by whoever read the answer, and learnt from on release."""
+
+    __slots__ = ("balancer", "metrics", "booking", "usage")
+
+    def __init__(self, balancer: Balancer, metrics: RouterMetrics, booking: Booking) -> None:
+        self.balancer = balancer
+        self.metrics = metrics
+        self.booking = booking
+        self.usage: dict[str, Any] | None = None
+
+    @property
+    def decision(self) -> Decision:
+        """The decision this attempt acts on."""
+        return self.booking.decision
+
+    def first_byte(self) -> None:
+        """The worker started answering: its prefill of this request is done."""
+        self.balancer.first_byte(self.booking, time.time())
+
+    def __enter__(self) -> "BookedAttempt":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        numbers = usage_numbers(self.usage)
+        self.balancer.finish(self.booking, time.time(), numbers)
+        if numbers is not None and numbers[1] is not None:
+            d = self.booking.decision
+            self.metrics.observe_feedback(d.worker_id, d.predicted_cached_tokens, numbers[0], numbers[1])
+
+
+def book(balancer: Balancer, metrics: RouterMetrics, decision: Decision, prompt: PromptKey) -> BookedAttempt:
+    """Book ``decision``'s worker for ``prompt`` now; release it by leaving the returned context."""
+    return BookedAttempt(balancer, metrics, balancer.dispatch(decision, prompt, time.time()))
