@@ -32,13 +32,13 @@ import time
 from typing import Callable
 
 from bench.stats import percentile
-from protocol import KVEvent
+from protocol import DEFAULT_CHUNK_SIZE, KVEvent
 from router.routing.balancer import Balancer
 from router.routing.load import LoadBoard, SpeedProfile
 from router.routing.policy import PolicyConfig
 from router.routing.prompt import PromptKey, prompt_key
 
-CHUNK = 128
+CHUNK = DEFAULT_CHUNK_SIZE
 WORDS = ("contract", "tenant", "premises", "repair", "clause", "party", "notice", "term", "rent",
          "landlord", "agreement", "shall", "within", "days", "written", "consent")
 

@@ -33,11 +33,15 @@ from bench.report import table, write_run
 from bench.sim.fleet import FleetConfig, simulate
 from bench.sim.router import SimRouterConfig
 from bench.workloads import TextSource, Workload, load_workload
+from router.routing.policies import get_policy, policy_names
+from router.routing.policy import DEFAULT_AFFINITY
 from worker.simulator.latency import LatencyModel
-from worker.simulator.profiles import get_gpu, get_model
+from worker.simulator.profiles import SIM_MAX_NUM_BATCHED_TOKENS, SIM_MAX_NUM_SEQS, get_gpu, get_model
 from worker.server.config import ServerConfig
 
 DEFAULT_TRACE = "/work/shared/traces/mooncake_synthetic_trace.jsonl"
+# The affinities a policy that reads one runs at: plain predicted TTFT, the default, follow the cache.
+AFFINITIES = (0.5, DEFAULT_AFFINITY, 1.0)
 GOALS = ("hit rate >= 0.95 x upper bound", "p99 TTFT <= 0.5 x sglang-router's (HTTP)",
          "p99 TTFT < least_load's", "p50 TTFT <= every peer's (HTTP)", "imbalance <= 1.15", "zero errors")
 
@@ -62,7 +66,7 @@ class ReportPlan:
     kv_blocks: int = 16000
     speedup: float = 1.0
     time_scale: float = 5.0
-    affinities: tuple[float, ...] = (0.5, 0.8, 1.0)
+    affinities: tuple[float, ...] = AFFINITIES
     num_requests: int | None = None
     generated_requests: int = 4000
     http: bool = True
@@ -77,17 +81,22 @@ class ReportPlan:
 
 
 def prefixlb_rows(affinities: tuple[float, ...]) -> list[tuple[str, str, float | None]]:
-    """(label, policy, affinity) of prefixlb's rows."""
-    rows = [(f"prefixlb cache_aware a={a:g}", "cache_aware", a) for a in affinities]
-    return rows + [("prefixlb least_load", "least_load", None), ("prefixlb consistent_hash", "consistent_hash", None),
-                   ("prefixlb round_robin", "round_robin", None)]
+    """(label, policy, affinity) of prefixlb's rows: every registered policy, in listing order,
+    at each of ``affinities`` if it reads one."""
+    rows: list[tuple[str, str, float | None]] = []
+    for name in policy_names():
+        if get_policy(name).uses_affinity:
+            rows += [(f"prefixlb {name} a={a:g}", name, a) for a in affinities]
+        else:
+            rows.append((f"prefixlb {name}", name, None))
+    return rows
 
 
 def _fleet(plan: ReportPlan, workers: int, unit: int, speedup: float, policy: str = "cache_aware",
            affinity: float | None = None, upper_bound: bool = False, speed_report: str = "measured") -> FleetConfig:
     return FleetConfig(workers=workers, kv_blocks=plan.kv_blocks, unit=unit, speedup=speedup,
                        upper_bound=upper_bound,
-                       router=SimRouterConfig(policy=policy, affinity=0.8 if affinity is None else affinity,
+                       router=SimRouterConfig(policy=policy, affinity=DEFAULT_AFFINITY if affinity is None else affinity,
                                               speed_report=speed_report))
 
 
@@ -100,8 +109,8 @@ def sim_scenario(plan: ReportPlan, name: str, workload: Workload, workers: int, 
                 in prefixlb_rows(plan.affinities)]
     # Control: every replica reports the profile's nominal speed. Since speeds are measured in the
     # router's units this row should match the default one; a gap means the measured speeds mislead.
-    configs += [("control: cache_aware a=0.8, nominal speed", _fleet(plan, workers, unit, speedup, "cache_aware",
-                                                                      0.8, speed_report="nominal"))]
+    configs += [(f"control: cache_aware a={DEFAULT_AFFINITY:g}, nominal speed",
+                 _fleet(plan, workers, unit, speedup, "cache_aware", DEFAULT_AFFINITY, speed_report="nominal"))]
     for label, cfg in configs:
         result = simulate(workload, cfg)
         result.meta["label"] = label
@@ -129,7 +138,8 @@ def http_run(plan: ReportPlan, label: str, workload: Workload, kind: str, policy
             # One worker with the fleet's compute: n times the tensor-parallel degree each worker
             # picks by default (the workers' default GPU and model profiles).
             tp = _default_sim_tp() * n
-            extra = ["--sim-tp", str(tp), "--max-num-seqs", str(256 * n), "--max-num-batched-tokens", str(8192 * n)]
+            extra = ["--sim-tp", str(tp), "--max-num-seqs", str(SIM_MAX_NUM_SEQS * n),
+                     "--max-num-batched-tokens", str(SIM_MAX_NUM_BATCHED_TOKENS * n)]
             workers = c.workers(1, plan.time_scale, kv_blocks=plan.kv_blocks * n, extra=extra)
             target = workers[0].url
         else:
@@ -235,7 +245,7 @@ def validation(sim_rows: list[tuple[str, dict, dict]], http_rows: list[tuple[str
 
 def load_http_rows(report_dir: Path) -> list[tuple[str, dict, dict]]:
     """The HTTP rows of an earlier report directory, in the order the report runs them."""
-    order = ["upper bound", *(label for label, _, _ in prefixlb_rows((0.5, 0.8, 1.0))), "sglang-router cache_aware",
+    order = ["upper bound", *(label for label, _, _ in prefixlb_rows(AFFINITIES)), "sglang-router cache_aware",
              "vllm-router cache_aware", "vllm-router consistent_hash"]
     rows = []
     for run_dir in sorted((Path(report_dir) / "http").iterdir()):
@@ -305,7 +315,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--kv-blocks", type=int, default=16000, help="KV blocks (16 tokens) per worker")
     p.add_argument("--speedup", type=float, default=1.0)
     p.add_argument("--time-scale", type=float, default=5.0, help="simulated workers' speed for the HTTP replay")
-    p.add_argument("--affinities", default="0.5,0.8,1")
+    p.add_argument("--affinities", default=",".join(f"{a:g}" for a in AFFINITIES))
     p.add_argument("--num-requests", type=int, default=None, help="replay only the first N requests")
     p.add_argument("--generated-requests", type=int, default=4000, help="0 skips the generated workloads")
     p.add_argument("--fleet-sizes", default="4,8,16", help="simulated fleet sizes for the trace")

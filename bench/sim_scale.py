@@ -31,11 +31,11 @@ from bench.workloads import load_workload
 BREAKDOWN = (
     ("router: Balancer.decide", "router.routing.balancer", "Balancer.decide"),
     ("  index.match_top", "router.routing.index", "PrefixIndex.match_top"),
-    ("  candidate set (ids + per-candidate load)", "router.routing.balancer", "Balancer._candidate_set"),
+    ("  candidate set (ids + per-candidate load)", "router.routing.balancer", "Balancer.candidate_set"),
     ("    candidate ids (ring successors, least loaded)", "router.routing.balancer", "Balancer.candidate_ids"),
     ("      ring.successors", "router.routing.ring", "WorkerRing.successors"),
     ("      board.least_loaded", "router.routing.load", "LoadBoard.least_loaded"),
-    ("  policy (choose)", "router.routing.balancer", "choose"),
+    ("  policy (choose)", "router.routing.policies.cache_aware", "CacheAware.choose"),
     ("router: Balancer.dispatch", "router.routing.balancer", "Balancer.dispatch"),
     ("router: Balancer.first_byte", "router.routing.balancer", "Balancer.first_byte"),
     ("router: Balancer.finish", "router.routing.balancer", "Balancer.finish"),

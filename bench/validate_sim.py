@@ -17,6 +17,8 @@ from bench.routing_report import DEFAULT_TRACE, ReportPlan, _fleet, http_run, va
 from bench.sim.fleet import simulate
 from bench.stats import summarize
 from bench.workloads import load_workload
+from router.routing.policies import get_policy
+from router.routing.policy import DEFAULT_AFFINITY
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,10 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     workload = load_workload(f"mooncake:{args.trace}", 0, args.requests)
     sim_rows, http_rows = [], []
     for policy in args.policies.split(","):
-        label = f"prefixlb {policy}" + (" a=0.8" if policy == "cache_aware" else "")
-        result = simulate(workload, _fleet(plan, args.workers, 512, args.speedup, policy, 0.8))
+        affinity = DEFAULT_AFFINITY if get_policy(policy).uses_affinity else None
+        label = f"prefixlb {policy}" + (f" a={affinity:g}" if affinity is not None else "")
+        result = simulate(workload, _fleet(plan, args.workers, 512, args.speedup, policy, affinity))
         sim_rows.append((label, summarize(result.records, fleet=list(result.meta["utilisation"])), result.meta))
-        http_rows.append(http_run(plan, label, workload, "prefixlb", policy, 0.8 if policy == "cache_aware" else None))
+        http_rows.append(http_run(plan, label, workload, "prefixlb", policy, affinity))
     lines = [f"{args.requests} requests of {Path(args.trace).name}, {args.workers} workers, speed-up {args.speedup:g}, "
              f"time scale {args.time_scale:g}, {args.kv_blocks} KV blocks per worker", "",
              *validation(sim_rows, http_rows)]

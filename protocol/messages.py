@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from protocol.hashing import DEFAULT_CHUNK_SIZE
+
 T = TypeVar("T")
 
 
@@ -60,7 +62,7 @@ class WorkerInfo(_Message):
     url: str
     model: str
     block_size: int = 16
-    chunk_size: int = 128
+    chunk_size: int = DEFAULT_CHUNK_SIZE
     capacity_tokens: int = 0
     max_num_seqs: int = 0
     status: str = "ready"  # "ready" | "draining"
@@ -83,6 +85,15 @@ class LoadReport(_Message):
     with ``prefill_tokens_per_s`` (in linear-equivalent tokens, see ``ATTENTION_KNEE_TOKENS``)
     and ``decode_step_s``; those are measured by the worker on its recent steps (a profile's
     values until it has measured).
+
+    LoRA (all empty / 0 on a worker without adapters, and from older workers):
+    ``max_loras`` GPU slots; ``lora_adapters`` every adapter it serves, name -> the first 16 hex
+    digits of its content digest (changes when a name is reloaded with other weights);
+    ``lora_gpu`` in a GPU slot now, ``lora_cpu`` in host memory but not in a slot (the rest are
+    on disk: cold); ``lora_running`` / ``lora_waiting`` requests per adapter (vLLM's
+    ``running_lora_adapters`` / ``waiting_lora_adapters``); ``lora_disk_load_s`` /
+    ``lora_slot_load_s`` the measured seconds of one disk -> host read and one host -> slot copy
+    (0 until measured): what a cold adapter adds to a request's time to first token.
     """
 
     worker_id: str
@@ -102,6 +113,14 @@ class LoadReport(_Message):
     decode_step_s: float = 0.0
     status: str = "ready"
     ts: float = field(default_factory=time.time)
+    max_loras: int = 0
+    lora_adapters: dict[str, str] = field(default_factory=dict)
+    lora_gpu: list[str] = field(default_factory=list)
+    lora_cpu: list[str] = field(default_factory=list)
+    lora_running: dict[str, int] = field(default_factory=dict)
+    lora_waiting: dict[str, int] = field(default_factory=dict)
+    lora_disk_load_s: float = 0.0
+    lora_slot_load_s: float = 0.0
 
 
 KV_STORED = "stored"
@@ -117,17 +136,21 @@ class KVEvent(_Message):
     ``stored``: the worker now holds the prefixes named by ``hashes``; ``removed``: it no
     longer does; ``cleared``: it holds nothing (start-up, cache reset); ``hashes`` is empty.
     ``seq`` increases by one per event of a worker so that a gap (lost events) is visible.
+    ``lora_name``: on ``stored``, the LoRA adapter whose KV it is (None: the base model).
     """
 
     worker_id: str
     kind: str
     hashes: list[int] = field(default_factory=list)
-    chunk_size: int = 128
+    chunk_size: int = DEFAULT_CHUNK_SIZE
     seq: int = 0
     ts: float = field(default_factory=time.time)
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KV_EVENT_KINDS:
             raise MessageError(f"KVEvent: unknown kind {self.kind!r}")
         if not isinstance(self.hashes, list) or not all(isinstance(h, int) for h in self.hashes):
             raise MessageError("KVEvent: hashes must be a list of integers")
+        if self.lora_name is not None and not isinstance(self.lora_name, str):
+            raise MessageError("KVEvent: lora_name must be a string or null")

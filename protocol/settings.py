@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -41,7 +42,7 @@ def setting(
     help: str,
     *,
     flag: str | None = None,
-    choices: Sequence[Any] | None = None,
+    choices: Sequence[Any] | Callable[[], Sequence[Any]] | None = None,
     minimum: float | None = None,
     maximum: float | None = None,
     env: str | None = None,
@@ -50,12 +51,14 @@ def setting(
     """A dataclass field with the metadata :func:`build_parser` and :func:`load_settings` use.
 
     ``default`` may be a zero-argument callable (``list``, ``dict``) for mutable defaults.
+    ``choices`` may be a zero-argument callable, asked each time a value is checked or a parser
+    is built: the names of a registry that grows at run time (the routing policies).
     ``secret`` values are masked by :func:`describe`.
     """
     meta = {
         "help": help,
         "flag": flag,
-        "choices": tuple(choices) if choices is not None else None,
+        "choices": choices if choices is None or callable(choices) else tuple(choices),
         "minimum": minimum,
         "maximum": maximum,
         "env": env,
@@ -130,12 +133,19 @@ def _convert(value: Any, tp: Any, name: str) -> Any:
     return value
 
 
-def _check(f: dataclasses.Field, value: Any) -> None:
+def _choices(f: dataclasses.Field) -> tuple[Any, ...] | None:
     choices = f.metadata.get("choices")
+    return tuple(choices()) if callable(choices) else choices
+
+
+def _check(f: dataclasses.Field, value: Any) -> None:
+    choices = _choices(f)
     if choices is not None and value is not None and value not in choices:
         raise SettingsError(f"{f.name}: {value!r} is not one of {', '.join(map(str, choices))}")
     lo, hi = f.metadata.get("minimum"), f.metadata.get("maximum")
     if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if (lo is not None or hi is not None) and math.isnan(value):  # NaN compares false with any bound
+            raise SettingsError(f"{f.name}: NaN is not a number in range")
         if lo is not None and value < lo:
             raise SettingsError(f"{f.name}: {value} is below the minimum {lo}")
         if hi is not None and value > hi:
@@ -172,8 +182,9 @@ def build_parser(
             kwargs["metavar"] = f.name.rstrip("s").upper()
         else:
             kwargs["metavar"] = f.name.upper()
-            if f.metadata.get("choices"):
-                kwargs["choices"] = f.metadata["choices"]
+            choices = _choices(f)
+            if choices:
+                kwargs["choices"] = choices
                 kwargs.pop("metavar")
         parser.add_argument(_flag(f), **kwargs)
     return parser
@@ -222,6 +233,21 @@ def load_settings(
         if name not in layered:
             _check(f, getattr(obj, name))
     return obj
+
+
+def parse_setting(cls: type, name: str, value: Any) -> Any:
+    """``value`` for the field ``name`` of ``cls``, converted and checked as a YAML value is.
+
+    For settings that change at run time (``PUT /admin/config``, the config shared through
+    Redis): the same types, choices and ranges as at start-up. Raises :class:`SettingsError`.
+    """
+    fields = {f.name: (f, tp) for f, tp in _fields(cls)}
+    if name not in fields:
+        raise SettingsError(f"unknown setting {name!r}")
+    f, tp = fields[name]
+    converted = _convert(value, tp, name)
+    _check(f, converted)
+    return converted
 
 
 def describe(obj: Any) -> dict[str, Any]:

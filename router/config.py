@@ -9,13 +9,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from protocol import ATTENTION_KNEE_TOKENS, DEFAULT_CHUNK_SIZE, DEFAULT_PREFIX
+from protocol import DEFAULT_CHUNK_SIZE, DEFAULT_PREFIX
 from protocol.settings import load_settings, setting
+from router.routing.balancer import DEFAULT_FEEDBACK_CLEAR_AFTER, DEFAULT_TOKENS_PER_BYTE
+from router.routing.index import DEFAULT_CONFIRMED_TTL_S, DEFAULT_MAX_ENTRIES, DEFAULT_OPTIMISTIC_TTL_S
 from router.routing.load import SpeedProfile
-from router.routing.policy import POLICIES, PolicyConfig
+from router.routing.policies import policy_names
+from router.routing.policy import DEFAULT_AFFINITY, DEFAULT_POLICY, PolicyConfig
+from router.routing.prompt import DEFAULT_RING_KEY_CHUNKS
+from router.routing.ring import DEFAULT_VNODES
 
 ENV_PREFIX = "PREFIXLB_ROUTER_"
-DEFAULT_AFFINITY = 0.8
+# The pure parts' own defaults are the flags' defaults: one source for each.
+_POLICY = PolicyConfig()
+_SPEED = SpeedProfile()
 
 
 @dataclass(slots=True)
@@ -26,10 +33,9 @@ class RouterConfig:
     port: int = setting(8000, "port to listen on", minimum=0, maximum=65535)
     workers: list[str] = setting(list, "worker base URL, e.g. http://127.0.0.1:8001 (repeatable)",
                                  flag="--worker")
-    policy: str = setting("cache_aware", "routing policy", choices=POLICIES)
-    affinity: float = setting(DEFAULT_AFFINITY, "affinity strength a: 0 = least pending work, 0.5 = "
-                              "plain predicted TTFT, 0.8 = locality weighted 16x, 1 = follow the cache "
-                              '(docs/routing.md, "Affinity strength")', minimum=0.0, maximum=1.0)
+    policy: str = setting(DEFAULT_POLICY, "routing policy", choices=policy_names)
+    affinity: float = setting(DEFAULT_AFFINITY, "affinity strength a in [0, 1] (0: least pending work, 1: follow "
+                              'the cache); see docs/routing.md, "Affinity strength"', minimum=0.0, maximum=1.0)
     redis: str | None = setting(None, "Redis URL for shared state (none: everything in memory)")
     redis_prefix: str = setting(DEFAULT_PREFIX, "prefix of every Redis key")
     admin_token: str | None = setting(None, "bearer token of the /admin/ API (unset: admin API refused)",
@@ -43,34 +49,34 @@ class RouterConfig:
                                         "body field carrying a session key (repeatable)", flag="--session-field")
     chunk_size: int = setting(DEFAULT_CHUNK_SIZE, "bytes per prefix chunk (must match the workers')",
                               minimum=16, maximum=65536)
-    ring_key_chunks: int = setting(8, "leading chunks that place a new prefix on the ring", minimum=1)
-    index_max_entries: int = setting(200_000, "prefix-index capacity in chunk hashes (LRU beyond)",
+    ring_key_chunks: int = setting(DEFAULT_RING_KEY_CHUNKS, "leading chunks that place a new prefix on the ring", minimum=1)
+    index_max_entries: int = setting(DEFAULT_MAX_ENTRIES, "prefix-index capacity in chunk hashes (LRU beyond)",
                                      minimum=1)
-    index_optimistic_ttl: float = setting(30.0, "seconds an unconfirmed (optimistic) index entry lives",
+    index_optimistic_ttl: float = setting(DEFAULT_OPTIMISTIC_TTL_S, "seconds an unconfirmed (optimistic) index entry lives",
                                           minimum=0.1)
-    index_confirmed_ttl: float = setting(3600.0, "seconds a KV-event-confirmed index entry lives unused",
+    index_confirmed_ttl: float = setting(DEFAULT_CONFIRMED_TTL_S, "seconds a KV-event-confirmed index entry lives unused",
                                          minimum=1.0)
     max_inflight_per_worker: int = setting(0, "hard per-worker in-flight limit (0: twice the worker's "
                                            "max_num_seqs)", minimum=0)
-    tie_tolerance: float = setting(0.05, "relative cost difference treated as a tie (then the ring "
+    tie_tolerance: float = setting(_POLICY.tie_tolerance, "relative cost difference treated as a tie (then the ring "
                                    "decides)", minimum=0.0, maximum=1.0)
-    attention_knee_tokens: float = setting(ATTENTION_KNEE_TOKENS, "context length at which attention costs as much "
+    attention_knee_tokens: float = setting(_POLICY.attention_knee_tokens, "context length at which attention costs as much "
                                            "as the linear prefill work", minimum=1.0)
-    hash_load_factor: float = setting(1.25, "consistent_hash: max load as a multiple of the mean",
+    hash_load_factor: float = setting(_POLICY.hash_load_factor, "consistent_hash: max load as a multiple of the mean",
                                       minimum=1.0)
-    ring_candidates: int = setting(3, "ring successors of the key a decision considers", minimum=1)
-    load_candidates: int = setting(2, "least-loaded workers a decision considers", minimum=0)
-    match_candidates: int = setting(8, "most prefix holders a decision considers (the longest matches)",
+    ring_candidates: int = setting(_POLICY.ring_candidates, "ring successors of the key a decision considers", minimum=1)
+    load_candidates: int = setting(_POLICY.load_candidates, "least-loaded workers a decision considers", minimum=0)
+    match_candidates: int = setting(_POLICY.match_candidates, "most prefix holders a decision considers (the longest matches)",
                                     minimum=1)
-    vnodes: int = setting(160, "virtual nodes per worker on the ring", minimum=1)
-    tokens_per_byte: float = setting(0.25, "tokens per rendered byte until learned from the workers",
+    vnodes: int = setting(DEFAULT_VNODES, "virtual nodes per worker on the ring", minimum=1)
+    tokens_per_byte: float = setting(DEFAULT_TOKENS_PER_BYTE, "tokens per rendered byte until learned from the workers",
                                      minimum=0.001, maximum=4.0)
-    prefill_tokens_per_s: float = setting(4000.0, "worker prefill speed until it reports a measured one",
+    prefill_tokens_per_s: float = setting(_SPEED.prefill_tokens_per_s, "worker prefill speed until it reports a measured one",
                                           minimum=1.0)
-    decode_step_s: float = setting(0.02, "worker decode step time until it reports a measured one",
+    decode_step_s: float = setting(_SPEED.decode_step_s, "worker decode step time until it reports a measured one",
                                    minimum=0.0)
-    max_num_seqs: int = setting(64, "worker batch size until it reports its own", minimum=1)
-    feedback_clear_after: int = setting(3, "consecutive cached-token overpredictions that clear a "
+    max_num_seqs: int = setting(_SPEED.max_num_seqs, "worker batch size until it reports its own", minimum=1)
+    feedback_clear_after: int = setting(DEFAULT_FEEDBACK_CLEAR_AFTER, "consecutive cached-token overpredictions that clear a "
                                         "worker's index entries", minimum=1)
     health_interval: float = setting(2.0, "seconds between active health checks of a worker", minimum=0.05)
     health_jitter: float = setting(0.2, "random +- fraction of the health interval", minimum=0.0,

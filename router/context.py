@@ -16,6 +16,7 @@ from typing import Any, Iterable
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from protocol import RedisKeys
+from protocol.settings import SettingsError, parse_setting
 from router.http.admission import Admission
 from router.routing.balancer import Balancer
 from router.fleet.breaker import BreakerConfig
@@ -25,7 +26,6 @@ from router.fleet.health import HealthChecker
 from router.routing.index import PrefixIndex
 from router.routing.load import LoadBoard
 from router.metrics import RouterMetrics
-from router.routing.policy import POLICIES
 from router.fleet.prewarm import HotPrefixes, Prewarmer
 from router.http.proxy import Proxy
 from router.fleet.registry import ROUTABLE, STATES, InvalidWorkerURL, WorkerRegistry
@@ -66,32 +66,21 @@ class RouterContext:
 
     def apply_runtime(self, values: dict[str, Any]) -> dict[str, Any]:
         """Validate and apply ``affinity`` / ``policy`` / ``prewarm_top`` changes; returns the new
-        runtime config."""
+        runtime config.
+
+        Each value is converted and checked by the settings schema (``RouterConfig``'s types,
+        choices and ranges, as at start-up); nothing is applied unless all of them are valid.
+        """
         unknown = sorted(set(values) - set(RUNTIME_KEYS))
         if unknown:
             raise ConfigError(f"not changeable at run time: {', '.join(unknown)}")
-        affinity = self.config.affinity
-        policy = self.config.policy
-        if "affinity" in values:
-            try:
-                affinity = float(values["affinity"])
-            except (TypeError, ValueError):
-                raise ConfigError("affinity must be a number in [0, 1]") from None
-            if isinstance(values["affinity"], bool) or not 0.0 <= affinity <= 1.0:
-                raise ConfigError("affinity must be a number in [0, 1]")
-        if "policy" in values:
-            policy = str(values["policy"])
-            if policy not in POLICIES:
-                raise ConfigError(f"policy must be one of {', '.join(POLICIES)}")
-        prewarm_top = self.config.prewarm_top
-        if "prewarm_top" in values:
-            value = values["prewarm_top"]
-            try:
-                prewarm_top = int(value)
-            except (TypeError, ValueError):
-                raise ConfigError("prewarm_top must be an integer in [0, 1024]") from None
-            if isinstance(value, (bool, float)) or not 0 <= prewarm_top <= 1024:
-                raise ConfigError("prewarm_top must be an integer in [0, 1024]")
+        try:
+            checked = {name: parse_setting(RouterConfig, name, value) for name, value in values.items()}
+        except SettingsError as exc:
+            raise ConfigError(str(exc)) from None
+        affinity = checked.get("affinity", self.config.affinity)
+        policy = checked.get("policy", self.config.policy)
+        prewarm_top = checked.get("prewarm_top", self.config.prewarm_top)
         self.config.affinity = affinity
         self.config.policy = policy
         self.config.prewarm_top = prewarm_top

@@ -4,6 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from protocol.settings import setting
+from router.routing.policies import policy_names
+from router.routing.policy import DEFAULT_AFFINITY, DEFAULT_POLICY
+from worker.simulator.profiles import SIM_MAX_NUM_BATCHED_TOKENS, SIM_MAX_NUM_SEQS
 
 from bench.sim.fleet import FleetConfig
 from bench.sim.router import SimRouterConfig
@@ -11,7 +14,6 @@ from bench.workloads import Workload, load_workload
 from bench.workloads.base import retime_poisson
 
 ENV_PREFIX = "PREFIXLB_SIM_"
-POLICY_CHOICES = ("cache_aware", "least_load", "consistent_hash", "round_robin")
 
 
 @dataclass(slots=True)
@@ -32,11 +34,12 @@ class SimSettings:
                                     minimum=1)
     block_size: int = setting(16, "engine block size in tokens", minimum=1)
     unit: int | None = setting(None, "simulator block in tokens (default: 512 for mooncake, else 64)", minimum=1)
-    max_num_seqs: int = setting(256, "most sequences in a batch (the simulated worker's default)", minimum=1)
-    max_num_batched_tokens: int = setting(8192, "token budget of a step (the simulated worker's default)",
-                                          minimum=1)
-    policy: str = setting("cache_aware", "routing policy", choices=POLICY_CHOICES)
-    affinity: float = setting(0.8, "cache_aware affinity strength", minimum=0.0, maximum=1.0)
+    max_num_seqs: int = setting(SIM_MAX_NUM_SEQS, "most sequences in a batch (the simulated worker's default)",
+                                minimum=1)
+    max_num_batched_tokens: int = setting(SIM_MAX_NUM_BATCHED_TOKENS, "token budget of a step (the simulated "
+                                          "worker's default)", minimum=1)
+    policy: str = setting(DEFAULT_POLICY, "routing policy", choices=policy_names)
+    affinity: float = setting(DEFAULT_AFFINITY, "cache_aware affinity strength", minimum=0.0, maximum=1.0)
     report_interval: float = setting(0.5, "seconds between workers' load reports (0: none)", minimum=0.0)
     upper_bound: bool = setting(False, "one worker with the whole fleet's capacity and compute")
     out: str = setting("runs/sim", "output directory")

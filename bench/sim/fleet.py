@@ -15,7 +15,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from worker.simulator.latency import LatencyModel
-from worker.simulator.profiles import get_gpu, get_model
+from worker.simulator.profiles import SIM_MAX_NUM_BATCHED_TOKENS, SIM_MAX_NUM_SEQS, get_gpu, get_model
 from worker.simulator.runner import nominal_speed
 
 from bench.records import RequestRecord
@@ -37,8 +37,8 @@ class FleetConfig:
     kv_blocks: int | None = None  # per worker, in engine blocks of ``block_size`` tokens
     block_size: int = 16
     unit: int = 512  # the simulator's block, in tokens (a multiple of block_size)
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = SIM_MAX_NUM_SEQS
+    max_num_batched_tokens: int = SIM_MAX_NUM_BATCHED_TOKENS
     bos_tokens: int = 1  # the byte tokenizer's BOS: prompt_tokens = characters + 1
     speedup: float = 1.0
     upper_bound: bool = False  # one worker with the whole fleet's capacity and compute

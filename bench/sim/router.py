@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protocol import KVEvent, LoadReport
+from protocol import DEFAULT_CHUNK_SIZE, KVEvent, LoadReport
 from router.routing.balancer import Balancer, Booking
-from router.routing.index import PrefixIndex
+from router.routing.index import DEFAULT_OPTIMISTIC_TTL_S, PrefixIndex
 from router.routing.load import LoadBoard, SpeedProfile
-from router.routing.policy import Decision, NoCapacity, PolicyConfig
-from router.routing.prompt import PromptKey, ring_key_of
+from router.routing.policy import DEFAULT_AFFINITY, DEFAULT_POLICY, Decision, NoCapacity, PolicyConfig
+from router.routing.prompt import DEFAULT_RING_KEY_CHUNKS, PromptKey, ring_key_of
 
 from bench.sim.worker import SimRequest, SimWorker
 
@@ -32,11 +32,11 @@ SIM_MODEL = "sim"
 class SimRouterConfig:
     """How the simulated router is set up (the router's own knobs, and the heartbeat)."""
 
-    policy: str = "cache_aware"
-    affinity: float = 0.8
-    ring_key_bytes: int = 1024  # the router's default: 8 chunks of 128 bytes
+    policy: str = DEFAULT_POLICY
+    affinity: float = DEFAULT_AFFINITY
+    ring_key_bytes: int = DEFAULT_RING_KEY_CHUNKS * DEFAULT_CHUNK_SIZE  # the router's default
     report_interval_s: float = 0.5  # the worker's --heartbeat-interval default
-    optimistic_ttl_s: float = 30.0
+    optimistic_ttl_s: float = DEFAULT_OPTIMISTIC_TTL_S
     index_entries: int = 2_000_000
     # "measured": each replica reports its own SpeedMeter EMA, as the worker does; "nominal": all
     # report the profile's nominal prefill speed (what a context-normalised measurement would give
@@ -69,8 +69,8 @@ class SimRouter:
         """The routing view of a simulated request (its text is never built)."""
         num_bytes = req.num_prompt - 1 if req.num_prompt > 1 else req.num_prompt
         data = req.index.to_bytes(8, "little")  # stands in for a prompt shorter than one unit
-        key = ring_key_of(data, req.hashes, 0, max(1, -(-self.cfg.ring_key_bytes // self.unit)), req.session)
-        return PromptKey(SIM_MODEL, num_bytes, req.hashes, key, req.session)
+        key = ring_key_of(data, req.block_hashes, 0, max(1, -(-self.cfg.ring_key_bytes // self.unit)), req.session)
+        return PromptKey(SIM_MODEL, num_bytes, req.block_hashes, key, req.session)
 
     def route(self, req: SimRequest, now: float) -> Decision:
         """Choose a worker for ``req`` and book it (raises ``NoCapacity`` like the router)."""

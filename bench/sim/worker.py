@@ -57,13 +57,15 @@ def is_decode(req: "SimRequest", n: int) -> bool:
 class SimRequest:
     """One request's progress inside a simulated worker (times in virtual seconds).
 
-    ``block_hashes`` are the hashes of the prompt's full units, precomputed by the workload;
-    ``hashes`` is the same list under the router's name (its chunk hashes: a unit is a chunk).
-    The KV-cache fields (``blocks``, ``num_computed_tokens``, ``num_registered_blocks``) are the
-    engine's :class:`~worker.engine.sequence.Sequence`'s, so the engine's KV-cache rules run on it.
+    ``block_hashes`` are the hashes of the prompt's full units, precomputed by the workload (the
+    router reads them as its chunk hashes: a unit is a chunk). The KV-cache fields (``blocks``,
+    ``num_computed_tokens``, ``num_registered_blocks``) are the engine's
+    :class:`~worker.engine.sequence.Sequence`'s, so the engine's KV-cache rules run on it.
     """
 
-    __slots__ = ("index", "arrival", "block_hashes", "hashes", "num_prompt", "max_tokens", "session",
+    lora_name = None  # the base model: the fleet simulator runs no LoRA adapters
+
+    __slots__ = ("index", "arrival", "block_hashes", "num_prompt", "max_tokens", "session",
                  "num_computed_tokens", "num_output", "cached_tokens", "first_token_at", "finished_at",
                  "blocks", "num_registered_blocks", "worker_id", "error", "prefill_left", "tick0", "dseq")
 
@@ -71,7 +73,7 @@ class SimRequest:
                  session: str | None = None) -> None:
         self.index = index
         self.arrival = arrival
-        self.block_hashes = self.hashes = block_hashes  # (an attribute, not a property: no call per read)
+        self.block_hashes = block_hashes
         self.num_prompt = num_prompt
         self.max_tokens = max_tokens
         self.session = session

@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=2, help="number of CPU workers (default: 2)")
     p.add_argument("--model", default="tiny", help="worker model preset or checkpoint (default: tiny)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default: 1)")
-    p.add_argument("--policy", default="cache_aware", help="routing policy (default: cache_aware)")
+    p.add_argument("--policy", default=None, help="routing policy (default: the router's)")
     p.add_argument("--affinity", type=float, default=None, help="affinity strength 0..1 (default: the router's)")
     p.add_argument("--admin-token", default=None, help="admin API token (default: a random one, printed)")
     p.add_argument("--simulate", action="store_true", help="simulated workers instead of the tiny engine")
@@ -48,8 +48,10 @@ def main(argv: list[str]) -> int:
     print(f"prefixlb run: starting {args.workers} worker(s) ({args.model})...", file=sys.stderr, flush=True)
     try:
         with local_workers(workers) as urls:
-            router_argv = ["--host", args.host, "--port", str(args.port), "--policy", args.policy,
+            router_argv = ["--host", args.host, "--port", str(args.port),
                            "--admin-token", token, *[a for u in urls for a in ("--worker", u)]]
+            if args.policy is not None:
+                router_argv += ["--policy", args.policy]
             if args.affinity is not None:
                 router_argv += ["--affinity", str(args.affinity)]
             cfg = load_router_config(router_argv, environ={})

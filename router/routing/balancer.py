@@ -2,7 +2,7 @@
 
 The HTTP router and the offline fleet simulator drive the same object::
 
-    balancer = Balancer(PolicyConfig(), chunk_size=128)
+    balancer = Balancer(PolicyConfig(), chunk_size=DEFAULT_CHUNK_SIZE)
     balancer.add_worker("w1", block_size=16)
     decision = balancer.decide(prompt_key, now)          # hash lookup + candidates + policy
     booking = balancer.dispatch(decision, prompt_key, now)  # optimistic insert, in-flight
@@ -10,11 +10,17 @@ The HTTP router and the offline fleet simulator drive the same object::
     balancer.finish(booking, now, usage=(prompt_tokens, cached_tokens))  # feedback
     balancer.apply_kv_event(event, now); balancer.apply_report(report, now)
 
-**Candidates.** A decision never scores the whole fleet: it looks at the workers that match a
-prefix of the request, the first ``ring_candidates`` workers on the request key's ring, and the
-``load_candidates`` least-loaded workers (a heap, see ``router/routing/load.py``). That set always
-contains the best choice a full scan would find for the cost model (the best-cached, the
-ring owner and the idlest), and keeps a decision at a few microseconds for 1,000 workers.
+**Candidates.** A decision never scores the whole fleet: its policy (``router/routing/policies/``)
+asks this object for the workers it will score. ``cache_aware`` and ``least_load`` take
+:meth:`Balancer.candidate_set`: the workers that match a prefix of the request (at most the
+``match_candidates`` longest matches), the first ``ring_candidates`` workers on the request key's
+ring, and the ``load_candidates`` workers with the least prefill backlog (a heap on their virtual
+finish time, see ``router/routing/load.py``). That keeps a decision at a few microseconds for
+1,000 workers, and it is a heuristic, not a full scan: the best-cached worker, the key's owner
+and the idlest prefill queue are always scored, but a worker outside the set can have a lower
+cost than every one in it -- one with a short match beyond the ``match_candidates`` longest, or a
+little more prefill backlog but no wait for a batch slot or fair share, when the least-backlogged
+ones are busy decoding. ``consistent_hash`` walks the key's ring, ``round_robin`` the rotation.
 
 **Predicted cached tokens.** The index matches bytes (chunks); the worker counts tokens. The
 router learns tokens per byte from the ``prompt_tokens`` workers report, per model and per
@@ -35,15 +41,20 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import AbstractSet, Mapping
 
-from protocol import KVEvent, LoadReport
+from protocol import DEFAULT_CHUNK_SIZE, KVEvent, LoadReport
 from protocol.messages import KV_CLEARED, KV_REMOVED, KV_STORED
 from router.routing.index import PrefixIndex
 from router.routing.load import LoadBoard, SpeedProfile, Ticket
-from router.routing.policy import (NOT_ON_RING, Candidate, Decision, NoCapacity, PolicyConfig, RouteRequest,
-                           choose, hash_load_bound)
+from router.routing.policies import get_policy
+from router.routing.policy import NOT_ON_RING, Candidate, Decision, NoCapacity, PolicyConfig, RouteRequest
 from router.routing.prompt import PromptKey
 from router.routing.ring import DEFAULT_VNODES, WorkerRing
+
+
+DEFAULT_TOKENS_PER_BYTE = 0.25  # until learned: about 4 bytes per token, typical of BPE on English
+DEFAULT_FEEDBACK_CLEAR_AFTER = 3
 
 
 class _DepthLookup(dict):
@@ -75,10 +86,10 @@ class Booking:
 class Balancer:
     """Decides where each request goes and keeps the books. No I/O; ``now`` is passed in."""
 
-    def __init__(self, config: PolicyConfig | None = None, chunk_size: int = 128,
+    def __init__(self, config: PolicyConfig | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
                  index: PrefixIndex | None = None, board: LoadBoard | None = None,
-                 tokens_per_byte: float = 0.25, tokens_per_byte_alpha: float = 0.2,
-                 feedback_clear_after: int = 3, vnodes: int = DEFAULT_VNODES) -> None:
+                 tokens_per_byte: float = DEFAULT_TOKENS_PER_BYTE, tokens_per_byte_alpha: float = 0.2,
+                 feedback_clear_after: int = DEFAULT_FEEDBACK_CLEAR_AFTER, vnodes: int = DEFAULT_VNODES) -> None:
         self.config = config if config is not None else PolicyConfig()
         self.chunk_size = chunk_size
         self.index = index if index is not None else PrefixIndex()
@@ -89,7 +100,7 @@ class Balancer:
         self.feedback_clear_after = feedback_clear_after
         self._ratios: dict[str, float] = {}
         self._sequence = itertools.count()
-        self._rr_order: list[str] = []
+        self._rr_order: tuple[str, ...] = ()
         self._event_sources: set[str] = set()
         self._miss_streak: dict[str, int] = {}
         self._last_seq: dict[str, int] = {}
@@ -112,7 +123,7 @@ class Balancer:
         else:
             self.ring.remove(worker_id)
         self.board.set_routable(worker_id, routable)
-        self._rr_order = sorted(self.ring.members)
+        self._rr_order = tuple(sorted(self.ring.members))
 
     def remove_worker(self, worker_id: str) -> None:
         """Forget a worker entirely: ring, load, and every index entry it had."""
@@ -120,11 +131,16 @@ class Balancer:
         self.board.remove_worker(worker_id)
         self.index.forget_worker(worker_id)
         self._miss_streak.pop(worker_id, None)
-        self._rr_order = sorted(self.ring.members)
+        self._rr_order = tuple(sorted(self.ring.members))
 
     def routable(self) -> list[str]:
         """The workers new requests may go to."""
         return list(self._rr_order)
+
+    @property
+    def rotation_order(self) -> tuple[str, ...]:
+        """The routable workers sorted by id: ``round_robin``'s rotation (not copied)."""
+        return self._rr_order
 
     # -- tokens ------------------------------------------------------------------------------
     def tokens_per_byte(self, key: str) -> float:
@@ -167,37 +183,32 @@ class Balancer:
     def decide(self, prompt: PromptKey, now: float, affinity: float | None = None,
                exclude: frozenset[str] | set[str] = frozenset(),
                config: PolicyConfig | None = None) -> Decision:
-        """Choose a worker for ``prompt``; raises ``NoCapacity`` when none can take it."""
+        """Choose a worker for ``prompt`` with the policy ``config.policy`` (default: the balancer's).
+
+        Raises ``NoCapacity`` when none can take it, ``ValueError`` for an unknown policy.
+        """
         cfg = config or self.config
+        policy = get_policy(cfg.policy)
         matches, complete = self.index.match_top(prompt.hashes, now, cfg.match_candidates)
         if not complete:
             matches = _DepthLookup(matches, self.index, prompt.hashes, now)
-        prompt_tokens = self.estimate_tokens(prompt)
-        sequence = next(self._sequence)
-        request = RouteRequest(prompt_tokens, affinity, prompt.session_key is not None, sequence)
-        if cfg.policy == "cache_aware":
-            # The fair share of requests in flight: bounded-load consistent hashing's bound, taken
-            # as if every worker held at least one request -- at light load a worker holding
-            # one more request than the others is not overloaded.
-            workers = len(self.ring)
-            request.load_bound = hash_load_bound(max(self.board.total_in_system, workers - 1), workers,
-                                                 cfg.hash_load_factor)
-        if cfg.policy == "consistent_hash":
-            request.load_bound = hash_load_bound(self.board.total_in_system, len(self.ring),
-                                                 cfg.hash_load_factor)
-            candidates = self._ring_walk(prompt, matches, prompt_tokens, request.load_bound, exclude, now)
-        elif cfg.policy == "round_robin":
-            candidates = self._rotation(prompt, matches, prompt_tokens, sequence, exclude, now)
-        else:
-            candidates = self._candidate_set(prompt, matches, prompt_tokens, now, exclude, cfg)
+        request = RouteRequest(prompt_tokens=self.estimate_tokens(prompt), affinity=affinity,
+                               session=prompt.session_key is not None, sequence=next(self._sequence))
+        candidates = policy.candidates(self, request, prompt, matches, now, exclude, cfg)
         if not candidates:
             raise NoCapacity("no workers available", 0)
-        return choose(request, candidates, cfg)
+        return policy.choose(request, candidates, cfg)
 
-    def candidate_ids(self, prompt: PromptKey, matches: dict[str, int], now: float,
+    def candidate_ids(self, prompt: PromptKey, matches: Mapping[str, int], now: float,
                       exclude: frozenset[str] | set[str] = frozenset(),
                       config: PolicyConfig | None = None) -> tuple[list[str], list[str]]:
-        """(candidate worker ids, the key's ring successors) that ``cache_aware`` would score."""
+        """(candidate worker ids, the key's ring successors) of :meth:`candidate_set`.
+
+        The ids are, in this order and without repeats, never one in ``exclude``: the routable
+        workers among ``matches`` (the index's longest matches), the key's first
+        ``ring_candidates`` ring successors, and :meth:`LoadBoard.least_loaded`'s
+        ``load_candidates`` workers (least prefill backlog, under their hard limit).
+        """
         cfg = config or self.config
         ring = self.ring
         successors = [w for w in ring.successors(prompt.ring_key, cfg.ring_candidates + len(exclude))
@@ -207,21 +218,34 @@ class Balancer:
         ids.update(dict.fromkeys(self.board.least_loaded(cfg.load_candidates, now, exclude)))
         return list(ids), successors
 
-    def _candidate(self, worker_id: str, matched: int, prompt: PromptKey, prompt_tokens: int,
-                   now: float, ring_rank: int = NOT_ON_RING) -> Candidate:
+    def candidate(self, worker_id: str, matched: int, prompt: PromptKey, prompt_tokens: int,
+                  now: float, ring_rank: int = NOT_ON_RING) -> Candidate:
+        """A tracked worker as a policy sees it, holding ``matched`` leading chunks of ``prompt``."""
         w = self.board.get(worker_id)
         assert w is not None
-        return Candidate(worker_id, self.cached_tokens_for(matched, prompt, prompt_tokens, w.block_size),
-                         w.pending_s(now), w.rate(), w.in_system, w.over_limit(), ring_rank, matched, w.service_s)
+        return Candidate(worker_id=worker_id,
+                         cached_tokens=self.cached_tokens_for(matched, prompt, prompt_tokens, w.block_size),
+                         pending_s=w.pending_s(now), tokens_per_s=w.rate(), in_system=w.in_system,
+                         over_limit=w.over_limit(), ring_rank=ring_rank, matched_chunks=matched,
+                         service_s=w.service_s)
 
-    def _candidate_set(self, prompt: PromptKey, matches: dict[str, int], prompt_tokens: int,
-                       now: float, exclude: frozenset[str] | set[str], cfg: PolicyConfig) -> list[Candidate]:
+    def candidate_set(self, prompt: PromptKey, matches: Mapping[str, int], prompt_tokens: int,
+                      now: float, exclude: AbstractSet[str], cfg: PolicyConfig) -> list[Candidate]:
+        """The workers of :meth:`candidate_ids` as candidates (see the module docstring).
+
+        ``ring_rank`` is a worker's place among the key's ring successors (``NOT_ON_RING`` if
+        it is not one of them).
+        """
         ids, successors = self.candidate_ids(prompt, matches, now, exclude, cfg)
         # The hot loop of every decision (the simulator makes a million): locals, no helpers.
         chunk_tokens = self.chunk_size * self.tokens_per_byte(prompt.ratio_key)
         cap = prompt_tokens - 1
         board = self.board
         out = []
+        # Calling the class with keywords makes CPython 3.11 pack them into a dict and unpack it
+        # again for __init__ (~0.45 us per candidate); calling __init__ itself passes them
+        # straight through, as fast as positional arguments.
+        new, init = object.__new__, Candidate.__init__
         for worker_id in ids:
             w = board.get(worker_id)
             matched = matches.get(worker_id, 0)
@@ -234,35 +258,11 @@ class Balancer:
                 rank = successors.index(worker_id)
             except ValueError:
                 rank = NOT_ON_RING
-            out.append(Candidate(worker_id, cached, w.pending_s(now), w.rate(), w.in_system, w.over_limit(), rank,
-                                 matched, w.service_s))
-        return out
-
-    def _ring_walk(self, prompt: PromptKey, matches: dict[str, int], prompt_tokens: int, bound: int,
-                   exclude: frozenset[str] | set[str], now: float) -> list[Candidate]:
-        out: list[Candidate] = []
-        for worker_id in self.ring.walk(prompt.ring_key):
-            if worker_id in exclude:
-                continue
-            c = self._candidate(worker_id, matches.get(worker_id, 0), prompt, prompt_tokens, now, len(out))
+            c = new(Candidate)
+            init(c, worker_id=worker_id, tokens_per_s=w.rate(), cached_tokens=cached, pending_s=w.pending_s(now),
+                 in_system=w.in_system, over_limit=w.over_limit(), ring_rank=rank, matched_chunks=matched,
+                 service_s=w.service_s)
             out.append(c)
-            if not c.over_limit and c.in_system < bound:
-                break
-        return out
-
-    def _rotation(self, prompt: PromptKey, matches: dict[str, int], prompt_tokens: int, sequence: int,
-                  exclude: frozenset[str] | set[str], now: float) -> list[Candidate]:
-        order = self._rr_order
-        out: list[Candidate] = []
-        n = len(order)
-        for i in range(n):
-            worker_id = order[(sequence + i) % n]
-            if worker_id in exclude:
-                continue
-            c = self._candidate(worker_id, matches.get(worker_id, 0), prompt, prompt_tokens, now)
-            out.append(c)
-            if not c.over_limit:
-                break
         return out
 
     # -- bookkeeping -------------------------------------------------------------------------

@@ -49,6 +49,11 @@ class IndexStats:
     removed: int = 0
 
 
+DEFAULT_MAX_ENTRIES = 200_000
+DEFAULT_OPTIMISTIC_TTL_S = 30.0
+DEFAULT_CONFIRMED_TTL_S = 3600.0
+
+
 class PrefixIndex:
     """Chain hash -> workers holding that prefix, with LRU + TTL bounds. No I/O, no clock.
 
@@ -56,8 +61,8 @@ class PrefixIndex:
     caller uses consistently), so the fleet simulator can drive it in virtual time.
     """
 
-    def __init__(self, max_entries: int = 200_000, optimistic_ttl_s: float = 30.0,
-                 confirmed_ttl_s: float = 3600.0) -> None:
+    def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES, optimistic_ttl_s: float = DEFAULT_OPTIMISTIC_TTL_S,
+                 confirmed_ttl_s: float = DEFAULT_CONFIRMED_TTL_S) -> None:
         if max_entries <= 0:
             raise ValueError("max_entries must be positive")
         self.max_entries = max_entries

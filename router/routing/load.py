@@ -5,9 +5,11 @@ known prefill backlog is done if it runs at its measured speed. It is set from a
 (``report time + queued tokens / rate``), pushed forward when this router dispatches a request
 there, and pulled back when a request's first byte shows its prefill is done. Because the
 backlog at ``now`` is ``max(0, busy_until - now)``, ordering workers by ``busy_until`` orders
-them by pending work at *any* ``now`` -- so a heap on it answers "the k least loaded workers"
-in O(k log n) without re-keying as time passes (the fleet simulator asks this for 1,000
-workers a million times).
+them by prefill backlog at *any* ``now`` -- so a heap on it answers "the k workers with the
+least prefill backlog" (:meth:`LoadBoard.least_loaded`) in O(k log n) without re-keying as time
+passes (the fleet simulator asks this for 1,000 workers a million times). It is not "the least
+pending work": the slot wait below is left out of the key, because it changes with every
+dispatch and finish, and a clamped backlog plus a wait has no order that holds at every ``now``.
 
 Decode pressure: with continuous batching a prefill shares each step with the running decodes,
 so a step that prefills ``B = max_num_batched_tokens`` tokens also pays ``decode_step_s``. The
@@ -194,7 +196,12 @@ class LoadBoard:
         return self._workers[worker_id].pending_s(now)
 
     def least_loaded(self, k: int, now: float, skip: frozenset[str] | set[str] = frozenset()) -> list[str]:
-        """Up to ``k`` routable workers under their hard limit with the least pending work."""
+        """Up to ``k`` routable workers under their hard limit with the least prefill backlog.
+
+        Ordered by ``busy_until`` (the heap's key; on a tie, the worker updated longest ago), so
+        a worker whose batch slots are all taken comes first if its prefill queue is empty: the
+        slot wait in :meth:`WorkerLoad.pending_s` is not part of this order (module docstring).
+        """
         out: list[str] = []
         popped: list[tuple[float, int, str]] = []
         heap = self._heap

@@ -17,6 +17,7 @@ import xxhash
 from protocol import chunk_hashes, namespace_seed, render_request, session_hash
 
 MAX_SESSION_KEY_CHARS = 256
+DEFAULT_RING_KEY_CHUNKS = 8
 
 
 @dataclass(slots=True)

@@ -13,34 +13,25 @@ import torch
 from tests.integration.test_engine_parity import TEXT, assert_exact_accounting, assert_matches_reference, run
 from worker.engine.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
-from worker.engine.model.presets import build_preset
-from worker.engine.model.save import save_pretrained
 from worker.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny-hf")
-    save_pretrained(build_preset("tiny"), d)
-    return d
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoint):
+def reference(tiny_checkpoint):
     from transformers import LlamaForCausalLM
 
-    return LlamaForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    return LlamaForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
 
 
-def cuda_engine(checkpoint, **kw) -> LLMEngine:
+def cuda_engine(tiny_checkpoint, **kw) -> LLMEngine:
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 parity, not TF32
-    return LLMEngine(EngineConfig(model=str(checkpoint), device="cuda", attention_backend="triton", **kw))
+    return LLMEngine(EngineConfig(model=str(tiny_checkpoint), device="cuda", attention_backend="triton", **kw))
 
 
-def test_cuda_triton_engine_matches_transformers_cold_warm_and_concurrent(checkpoint, reference):
-    engine = cuda_engine(checkpoint, max_num_batched_tokens=256)
+def test_cuda_triton_engine_matches_transformers_cold_warm_and_concurrent(tiny_checkpoint, reference):
+    engine = cuda_engine(tiny_checkpoint, max_num_batched_tokens=256)
     assert engine.runner.backend.name == "triton"
     prompt = engine.tokenizer.encode(TEXT)
     cold = run(engine, {"cold": prompt}, 24)["cold"]
@@ -54,8 +45,8 @@ def test_cuda_triton_engine_matches_transformers_cold_warm_and_concurrent(checkp
     assert_exact_accounting(engine)
 
 
-def test_cuda_triton_engine_matches_transformers_under_preemption(checkpoint, reference):
-    engine = cuda_engine(checkpoint, num_kv_blocks=24, max_num_batched_tokens=128)
+def test_cuda_triton_engine_matches_transformers_under_preemption(tiny_checkpoint, reference):
+    engine = cuda_engine(tiny_checkpoint, num_kv_blocks=24, max_num_batched_tokens=128)
     prompts = {f"r{i}": engine.tokenizer.encode(f"Request {i}: " + TEXT[i * 10: i * 10 + 90]) for i in range(4)}
     outs = run(engine, prompts, 40)
     assert engine.stats().num_preemptions > 0
@@ -64,8 +55,8 @@ def test_cuda_triton_engine_matches_transformers_under_preemption(checkpoint, re
     assert_exact_accounting(engine)
 
 
-def test_cuda_engine_serves_bfloat16(checkpoint):
-    engine = LLMEngine(EngineConfig(model=str(checkpoint), device="cuda", dtype="bfloat16"))
+def test_cuda_engine_serves_bfloat16(tiny_checkpoint):
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint), device="cuda", dtype="bfloat16"))
     prompt = engine.tokenizer.encode(TEXT)
     outs = engine.generate([prompt, prompt[:50]], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     assert [len(o.token_ids) for o in outs] == [16, 16]

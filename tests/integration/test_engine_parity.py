@@ -5,43 +5,34 @@ every scenario the reference runs teacher-forced on prompt + the engine's genera
 at every generated position we compare the engine's log-probabilities over the whole vocabulary
 (``logprobs=vocab_size``: the logits up to the softmax normalisation) with the reference's
 log_softmax, within ``ATOL``; the engine's greedy token must be the reference's argmax, except
-where the reference's top-2 are closer than ``TIE_TOL`` (near-ties; counted and bounded).
+where the reference's top-2 are closer than ``TIE_TOL`` (near-ties; counted and bounded): see
+tests/parity_support.py.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tests.parity_support import ParityLog
+from tests.parity_support import assert_matches_reference as check_reference
 from worker.engine.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.kv_cache import BlockRemoved
-from worker.engine.model.presets import build_preset
-from worker.engine.model.save import save_pretrained
 from worker.engine.sampling_params import SamplingParams
 
-ATOL = 2e-4  # fp32; observed max |Δ logprob| is ~2e-5
-TIE_TOL = 1e-3
 VOCAB = 258
-near_ties: list[tuple[int, float]] = []
-positions_checked = [0]
+PARITY = ParityLog()
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny-hf")
-    save_pretrained(build_preset("tiny"), d)
-    return d
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoint):
+def reference(tiny_checkpoint):
     from transformers import LlamaForCausalLM
 
-    return LlamaForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    return LlamaForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
 
 
-def make_engine(checkpoint, **kw) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(checkpoint), **kw))
+def make_engine(tiny_checkpoint, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(tiny_checkpoint), **kw))
 
 
 def params(n: int) -> SamplingParams:
@@ -63,27 +54,7 @@ def run(engine: LLMEngine, prompts: dict[str, list[int]], n: int):
 
 
 def assert_matches_reference(reference, prompt: list[int], outs) -> list[int]:
-    tokens = [t for o in outs for t in o.new_token_ids]
-    logprobs = [lp for o in outs for lp in (o.logprobs or [])]
-    assert len(logprobs) == len(tokens) > 0
-    with torch.no_grad():
-        ref = torch.log_softmax(reference(torch.tensor([prompt + tokens])).logits[0].float(), -1)
-    for i, (tok, lp) in enumerate(zip(tokens, logprobs)):
-        row = ref[len(prompt) - 1 + i]
-        engine_row = torch.full((VOCAB,), float("nan"))
-        for tid, value in lp.top:
-            engine_row[tid] = value
-        assert not torch.isnan(engine_row).any()
-        diff = (engine_row - row).abs().max().item()
-        assert diff < ATOL, f"position {i}: max |Δ logprob| = {diff}"
-        positions_checked[0] += 1
-        top2 = torch.topk(row, 2).values
-        gap = (top2[0] - top2[1]).item()
-        if gap < TIE_TOL:
-            near_ties.append((i, gap))
-        else:
-            assert tok == int(row.argmax()), f"position {i}: engine {tok} vs reference {int(row.argmax())}"
-    return tokens
+    return check_reference(reference, prompt, outs, PARITY, VOCAB)
 
 
 def assert_exact_accounting(engine: LLMEngine) -> None:
@@ -97,8 +68,8 @@ def assert_exact_accounting(engine: LLMEngine) -> None:
 TEXT = ("The router keeps a map of which worker holds which prefix. " * 4)
 
 
-def test_cold_then_warm_prompt_match_transformers_and_each_other(checkpoint, reference):
-    engine = make_engine(checkpoint)
+def test_cold_then_warm_prompt_match_transformers_and_each_other(tiny_checkpoint, reference):
+    engine = make_engine(tiny_checkpoint)
     prompt = prompt_of(engine, TEXT)
     cold = run(engine, {"cold": prompt}, 24)["cold"]
     assert cold[-1].num_cached_tokens == 0
@@ -110,8 +81,8 @@ def test_cold_then_warm_prompt_match_transformers_and_each_other(checkpoint, ref
     assert_exact_accounting(engine)
 
 
-def test_a_prompt_sharing_a_long_prefix_reuses_it_and_matches(checkpoint, reference):
-    engine = make_engine(checkpoint)
+def test_a_prompt_sharing_a_long_prefix_reuses_it_and_matches(tiny_checkpoint, reference):
+    engine = make_engine(tiny_checkpoint)
     first = prompt_of(engine, TEXT + "Question one?")
     run(engine, {"a": first}, 4)
     second = prompt_of(engine, TEXT + "A different question entirely.")
@@ -122,8 +93,8 @@ def test_a_prompt_sharing_a_long_prefix_reuses_it_and_matches(checkpoint, refere
     assert_exact_accounting(engine)
 
 
-def test_eight_concurrent_requests_of_mixed_lengths_each_match(checkpoint, reference):
-    engine = make_engine(checkpoint, max_num_batched_tokens=256)
+def test_eight_concurrent_requests_of_mixed_lengths_each_match(tiny_checkpoint, reference):
+    engine = make_engine(tiny_checkpoint, max_num_batched_tokens=256)
     texts = [TEXT[: 20 + 37 * i] + f" #{i}" for i in range(8)]
     prompts = {f"r{i}": prompt_of(engine, t) for i, t in enumerate(texts)}
     outs = run(engine, prompts, 16)
@@ -132,15 +103,15 @@ def test_eight_concurrent_requests_of_mixed_lengths_each_match(checkpoint, refer
     assert_exact_accounting(engine)
 
 
-def test_a_pool_small_enough_to_evict_and_preempt_still_matches(checkpoint, reference):
+def test_a_pool_small_enough_to_evict_and_preempt_still_matches(tiny_checkpoint, reference):
     # 24 blocks x 16 tokens: four ~100-token prompts growing by 40 tokens do not fit together.
-    engine = make_engine(checkpoint, num_kv_blocks=24, max_num_batched_tokens=128)
+    engine = make_engine(tiny_checkpoint, num_kv_blocks=24, max_num_batched_tokens=128)
     texts = [f"Request {i}: " + TEXT[i * 10: i * 10 + 90] for i in range(4)]
     prompts = {f"r{i}": prompt_of(engine, t) for i, t in enumerate(texts)}
     outs = run(engine, prompts, 40)
     assert engine.stats().num_preemptions > 0
     assert any(isinstance(e, BlockRemoved) for e in engine.take_kv_events())
-    big = make_engine(checkpoint)
+    big = make_engine(tiny_checkpoint)
     roomy = run(big, prompts, 40)
     for rid, prompt in prompts.items():
         tokens = assert_matches_reference(reference, prompt, outs[rid])
@@ -151,6 +122,6 @@ def test_a_pool_small_enough_to_evict_and_preempt_still_matches(checkpoint, refe
 def test_near_ties_are_rare():
     # Runs last in this module, after the scenarios above compared ~350 positions (1 near-tie
     # at the time of writing, which the engine still decided like the reference).
-    if positions_checked[0] < 300:
+    if PARITY.positions < 300:
         pytest.skip("counts near-ties over the whole module; run the module, not this test alone")
-    assert len(near_ties) <= 3, near_ties
+    assert len(PARITY.near_ties) <= 3, PARITY.near_ties

@@ -163,7 +163,9 @@ def test_redis_down_never_fails_a_request_and_the_worker_registers_when_it_retur
         try:
             client = redis.Redis(port=redis_port)
             wait_for(lambda: client.get(keys.worker("w4")), 20, what="registration after Redis came back")
-            assert "prefixlb_worker_redis_connected 1.0" in call(url + "/metrics").raw.decode()
+            # The publisher registers first, flushes the queued events, then marks itself connected.
+            wait_for(lambda: "prefixlb_worker_redis_connected 1.0" in call(url + "/metrics").raw.decode(), 10,
+                     what="the publisher connected")
             client.close()
         finally:
             server.terminate()

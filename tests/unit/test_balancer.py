@@ -6,7 +6,7 @@ import pytest
 from protocol import KVEvent, LoadReport
 from router.routing.balancer import Balancer
 from router.routing.load import LoadBoard, SpeedProfile
-from router.routing.policy import NoCapacity, PolicyConfig, prefill_seconds
+from router.routing.policy import NOT_ON_RING, NoCapacity, PolicyConfig, prefill_seconds
 from router.routing.prompt import PromptKey, prompt_key
 
 WORKERS = ["w1", "w2", "w3", "w4"]
@@ -247,6 +247,54 @@ def test_a_prefix_held_by_many_workers_is_scored_on_its_longest_matches_only():
     costs = dict(d.costs)
     cold = prefill_seconds(d.prompt_tokens, 0, 1000.0, 32768.0)
     assert owner != "w9" and costs[owner] < cold
+
+
+def test_the_candidate_set_is_the_prefix_holders_the_ring_successors_and_the_least_backlogged():
+    b = make()
+    cfg = PolicyConfig(ring_candidates=1, load_candidates=1)
+    p = key(DOC[:2000])
+    owner = b.ring.owner(p.ring_key)
+    holder, busy, idle = (w for w in WORKERS if w != owner)
+    b.apply_kv_event(KVEvent(holder, "stored", p.hashes[:4], chunk_size=128), now=0.0)
+    for worker_id, tokens in ((owner, 100), (holder, 200), (busy, 5000)):
+        b.board.dispatch(worker_id, tokens, now=0.0)
+    matches, _ = b.index.match_top(p.hashes, 0.0, cfg.match_candidates)
+    ids, successors = b.candidate_ids(p, matches, now=0.0, config=cfg)
+    # In this order, without repeats: the prefix holders, the key's ring owner, the emptiest
+    # prefill queue; the busy worker is scored by none of the three.
+    assert (ids, successors) == ([holder, owner, idle], [owner])
+    assert [c.worker_id for c in b.candidate_set(p, matches, 2000, 0.0, frozenset(), cfg)] == ids
+    assert [c.ring_rank for c in b.candidate_set(p, matches, 2000, 0.0, frozenset(), cfg)] == [
+        NOT_ON_RING, 0, NOT_ON_RING]
+
+
+def test_a_worker_outside_the_candidate_set_can_be_cheaper_than_every_one_in_it():
+    # The set is a heuristic, not a full scan: w_a has the emptiest prefill queue (so it is the
+    # one least-loaded candidate) but its single batch slot is taken twice over (4 s of slot wait
+    # plus 1 s of fair-share wait); w_b has 0.3 s of prefill queued and free slots. The key's
+    # owner is buried under 20 s of prefill. The decision is the best of {owner, w_a}; scoring
+    # more of the least-loaded workers finds w_b, cheaper than both.
+    board = LoadBoard(SpeedProfile(prefill_tokens_per_s=1000.0, decode_step_s=0.0, service_s=2.0),
+                      max_inflight=10)
+    b = Balancer(PolicyConfig(ring_candidates=1, load_candidates=1), chunk_size=128, board=board,
+                 tokens_per_byte=1.0)
+    for w in WORKERS:
+        b.add_worker(w, block_size=16)
+    p = key("a prompt nothing holds: " + DOC[:500])
+    owner = b.ring.owner(p.ring_key)
+    w_a, w_b, w_c = (w for w in WORKERS if w != owner)
+    b.apply_report(LoadReport(w_a, max_num_seqs=1, ts=0.0), now=0.0)
+    for ticket in (board.dispatch(w_a, 100, now=0.0), board.dispatch(w_a, 100, now=0.0)):
+        board.prefilled(ticket, now=0.0)
+    board.dispatch(owner, 20_000, now=0.0)
+    board.dispatch(w_b, 300, now=0.0)
+    board.dispatch(w_c, 600, now=0.0)
+    d = b.decide(p, now=0.0)
+    cold = prefill_seconds(d.prompt_tokens, 0, 1000.0, 32768.0)
+    assert dict(d.costs) == pytest.approx({owner: 20.0 + cold, w_a: 4.0 + 1.0 + cold})
+    assert d.worker_id == w_a
+    wider = b.decide(p, now=0.0, config=PolicyConfig(ring_candidates=1, load_candidates=4))
+    assert (wider.worker_id, wider.cost_s) == (w_b, pytest.approx(0.3 + cold))
 
 
 def test_new_sessions_sharing_a_system_prompt_one_worker_holds_spread_past_its_fair_share():

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from protocol import chunk_hashes, namespace_seed
 from worker.engine.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored
-from worker.engine.kv_cache.hashing import hash_block_tokens
+from worker.engine.kv_cache.hashing import adapter_namespace, hash_block_tokens, hash_request_blocks
 from worker.server.kv_events import ChunkEvent, KVEventMapper, RequestChunks, chunk_blocks, request_chunks
 
 BOS = 256
@@ -118,3 +118,33 @@ def test_a_block_recomputed_after_its_eviction_is_announced_stored_again():
     assert mapper.translate([BlockRemoved(blocks[1:2]), BlockStored(blocks[1:2])]) == [
         ChunkEvent("removed", [11]), ChunkEvent("stored", [11])]
     assert mapper.translate([BlockRemoved(blocks[1:2])]) == [ChunkEvent("removed", [11])]
+
+
+def test_a_lora_requests_chunks_keep_the_routers_seed_and_attach_to_the_engines_identity_keyed_blocks(tmp_path):
+    # The router seeds chunks with the name it sees ("model": "sql"); the engine seeds blocks with
+    # the base model's namespace mixed with the adapter's identity. A stored event names the adapter.
+    from tests.engine_support import SlotMemoryRunner
+    from tests.lora_support import write_adapter
+    from worker.engine.config import EngineConfig
+    from worker.engine.llm_engine import LLMEngine
+    from worker.engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=None, num_kv_blocks=64, block_size=16, enable_lora=True),
+                       runner=SlotMemoryRunner(64, 16))
+    sql = engine.add_lora("sql", str(write_adapter(tmp_path / "sql")))
+    text = "y" * 300
+    router_ns = namespace_seed("sql")
+    rc = request_chunks(text.encode(), _byte_tokens(text), router_ns, 128, 16,
+                        block_namespace=engine.block_namespace(NS, sql), lora_name="sql")
+    engine.add_request("r", _byte_tokens(text), SamplingParams(max_tokens=1), namespace=NS, lora=sql)
+    engine.step()
+    events = engine.take_kv_events()
+
+    engine_blocks = hash_request_blocks(_byte_tokens(text), 16, adapter_namespace(NS, sql.identity))
+    assert rc.chunk_hashes == chunk_hashes(text.encode(), 128, router_ns)
+    assert rc.block_hashes == engine_blocks[:17]  # up to the block completing the last chunk
+    assert events == [BlockStored(engine_blocks, "sql")]  # 301 tokens: 18 full blocks
+    assert not set(engine_blocks) & set(_block_hashes(_byte_tokens(text)))  # never the base model's
+    mapper = KVEventMapper()
+    mapper.register(rc)
+    assert mapper.translate(events) == [ChunkEvent("stored", rc.chunk_hashes, "sql")]

@@ -66,7 +66,7 @@ def test_stale_reports_and_unknown_workers_are_ignored():
     assert b.pending_s("A", now=50.0) == pytest.approx(1.0)
 
 
-def test_least_loaded_orders_by_pending_work_and_skips_workers_at_their_limit():
+def test_least_loaded_orders_by_prefill_backlog_and_skips_workers_at_their_limit():
     b = board("A", "B", "C", "D", max_inflight=2)
     b.dispatch("A", 3000, now=0.0)
     b.dispatch("B", 1000, now=0.0)
@@ -77,6 +77,22 @@ def test_least_loaded_orders_by_pending_work_and_skips_workers_at_their_limit():
     assert b.get("D").over_limit()
     assert b.least_loaded(3, now=0.0) == ["B", "C", "A"]
     assert b.least_loaded(2, now=0.0, skip={"B"}) == ["C", "A"]
+
+
+def test_least_loaded_leaves_the_wait_for_a_batch_slot_out_of_its_order():
+    # A's prefill queue is empty but its one batch slot is taken twice over (2 requests of ~2 s
+    # each in its system: 4 s to wait); B has 0.5 s of prefill queued and free slots. The heap
+    # is keyed by the virtual finish time of the prefill backlog only, so A still comes first.
+    b = LoadBoard(SpeedProfile(prefill_tokens_per_s=1000.0, decode_step_s=0.0, max_num_seqs=64, service_s=2.0),
+                  max_inflight=10)
+    b.add_worker("A", max_num_seqs=1)
+    b.add_worker("B")
+    for ticket in (b.dispatch("A", 100, now=0.0), b.dispatch("A", 100, now=0.0)):
+        b.prefilled(ticket, now=0.0)
+    b.dispatch("B", 500, now=0.0)
+    assert (b.pending_s("A", now=0.0), b.pending_s("B", now=0.0)) == pytest.approx((4.0, 0.5))
+    assert b.least_loaded(1, now=0.0) == ["A"]
+    assert b.least_loaded(2, now=0.0) == ["A", "B"]
 
 
 def test_unroutable_workers_are_not_offered_but_keep_their_load():

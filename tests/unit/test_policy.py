@@ -10,15 +10,16 @@ import math
 
 import pytest
 
-from router.routing.policy import (NOT_ON_RING, Candidate, NoCapacity, PolicyConfig, RouteRequest, choose,
-                           fair_share_wait_s, hash_load_bound, locality_weight, prefill_seconds)
+from router.routing.policies import choose
+from router.routing.policy import (NOT_ON_RING, Candidate, NoCapacity, PolicyConfig, RouteRequest,
+                                   fair_share_wait_s, hash_load_bound, locality_weight, prefill_seconds)
 
 LINEAR = PolicyConfig(attention_knee_tokens=1e18)
 
 
 def cand(worker_id: str, cached: int = 0, pending: float = 0.0, rank: int = NOT_ON_RING,
          in_system: int = 0, over_limit: bool = False, service: float = 0.0) -> Candidate:
-    return Candidate(worker_id, cached_tokens=cached, pending_s=pending, tokens_per_s=1000.0,
+    return Candidate(worker_id=worker_id, cached_tokens=cached, pending_s=pending, tokens_per_s=1000.0,
                      in_system=in_system, over_limit=over_limit, ring_rank=rank, service_s=service)
 
 

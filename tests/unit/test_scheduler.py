@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.engine_support import SlotMemoryRunner, reference_continuation
+from tests.engine_support import SlotMemoryRunner, assert_idle_accounting, reference_continuation, run_all
 from worker.engine.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError
@@ -27,26 +27,6 @@ def make_engine(num_blocks=64, block_size=4, max_tokens_per_step=64, max_seqs=8,
 
 def greedy(n):
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-
-
-def run_all(engine):
-    tokens: dict[str, list[int]] = {}
-    finals = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-            if out.finished:
-                finals[out.request_id] = out
-    return tokens, finals
-
-
-def assert_idle_accounting(engine):
-    pool = engine.scheduler.kv_cache_manager.block_pool
-    pool.check_invariants()
-    assert all(b.ref_cnt == 0 for b in pool.blocks)
-    s = engine.stats()
-    assert s.free_blocks + s.cached_blocks + s.used_blocks == s.total_blocks
-    assert s.used_blocks == 0 and s.running == 0 and s.waiting == 0
 
 
 def shapes(batch):

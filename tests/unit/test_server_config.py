@@ -50,3 +50,25 @@ def test_bad_values_are_refused_with_the_setting_named():
         load_server_config(["--block-size", "0"], environ={})
     with pytest.raises(SettingsError, match="port"):
         load_server_config([], environ={"PREFIXLB_WORKER_PORT": "eighty"})
+
+
+def test_lora_flags_from_the_command_line_env_and_yaml(tmp_path):
+    cfg = load_server_config(["--lora", "sql=/a/sql", "--lora", " chat = /a/chat ", "--max-loras", "2"], environ={})
+    assert (cfg.lora_specs, cfg.lora_enabled, cfg.max_loras, cfg.max_cpu_loras) == (
+        [("sql", "/a/sql"), ("chat", "/a/chat")], True, 2, None)
+    assert load_server_config([], environ={"PREFIXLB_WORKER_LORA_MODULES": "a=/x,b=/y"}).lora_specs == [
+        ("a", "/x"), ("b", "/y")]
+    assert not load_server_config([], environ={}).lora_enabled
+    assert load_server_config(["--enable-lora"], environ={}).lora_enabled
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--lora", "sql"], "expected NAME=DIR"),
+    (["--lora", "=/a"], "expected NAME=DIR"),
+    (["--lora", "a=/x", "--lora", "a=/y"], "given twice"),
+    (["--lora", "tiny=/x"], "the served model's name"),
+    (["--max-loras", "8", "--max-cpu-loras", "4"], "--max-cpu-loras must be >= --max-loras"),
+])
+def test_bad_lora_flags_are_refused_when_the_config_is_read(argv, match):
+    with pytest.raises(SettingsError, match=match):
+        load_server_config(argv, environ={})

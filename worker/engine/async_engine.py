@@ -20,6 +20,7 @@ from typing import AsyncIterator, Callable, Union
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.errors import DuplicateRequestError, EngineDeadError, EngineStepError
 from worker.engine.kv_cache.events import KVCacheEvent
+from worker.engine.lora.adapter import LoRAAdapter
 from worker.engine.outputs import RequestOutput
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.stats import EngineStats
@@ -38,6 +39,7 @@ class AddRequest:
     params: SamplingParams
     namespace: int
     arrival_time: float
+    lora: LoRAAdapter | None = None  # the adapter to run with (None: the base model)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,8 +97,11 @@ class AsyncLLMEngine:
 
     # ---- requests ----------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       namespace: int = 0) -> AsyncIterator[RequestOutput]:
+                       namespace: int = 0, lora: LoRAAdapter | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until the finished one; closing the iterator aborts it.
+
+        ``lora``: the adapter to run with (LLMEngine.add_request); its LoRA errors arrive here
+        like InvalidRequestError does.
 
         Raises :class:`~worker.engine.errors.InvalidRequestError` (bad request, before any output),
         :class:`~worker.engine.errors.EngineStepError` (its step failed) or ``EngineDeadError``.
@@ -115,7 +120,7 @@ class AsyncLLMEngine:
             del self._queues[request_id]
             raise EngineDeadError("the engine loop has stopped") from self._dead
         self._post(AddRequest(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
-                              namespace=namespace, arrival_time=time.monotonic()))
+                              namespace=namespace, arrival_time=time.monotonic(), lora=lora))
         finished = False
         try:
             while True:
@@ -188,7 +193,7 @@ class AsyncLLMEngine:
             if isinstance(cmd, AddRequest):
                 try:
                     engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params,
-                                       namespace=cmd.namespace, arrival_time=cmd.arrival_time)
+                                       namespace=cmd.namespace, arrival_time=cmd.arrival_time, lora=cmd.lora)
                 except Exception as exc:  # delivered to the caller, e.g. InvalidRequestError
                     self._call(self._deliver, cmd.request_id, exc)
             elif isinstance(cmd, AbortRequest):

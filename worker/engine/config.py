@@ -12,6 +12,8 @@ from typing import Any
 from worker.engine.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+DEFAULT_MAX_NUM_SEQS = 32
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 @dataclass(slots=True)
@@ -21,7 +23,9 @@ class EngineConfig:
     ``num_kv_blocks`` wins over ``kv_memory_bytes``; with neither, the pool holds
     ``max_num_seqs`` full-length sequences capped at ``DEFAULT_KV_BLOCKS``.
     ``default_prefill_tokens_per_s`` / ``default_decode_step_s`` are reported until the engine
-    has measured its own speed.
+    has measured its own speed. With ``enable_lora`` the engine serves LoRA adapters
+    (docs/lora.md): ``max_loras`` GPU slots (distinct adapters in one step), ``max_cpu_loras``
+    adapters kept in host memory (default 4 x ``max_loras``), ranks up to ``max_lora_rank``.
     """
 
     model: str | None = "tiny"
@@ -29,8 +33,8 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_memory_bytes: int | None = None
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -42,6 +46,10 @@ class EngineConfig:
     default_prefill_tokens_per_s: float = 2000.0
     default_decode_step_s: float = 0.05
     speed_ema_alpha: float = 0.2
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_cpu_loras: int | None = None
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -52,6 +60,12 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be >= 1")
         if self.attention_backend not in ("auto", "triton", "torch"):
             raise ValueError("attention_backend must be auto, triton or torch")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError("max_loras and max_lora_rank must be >= 1")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = 4 * self.max_loras
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError("max_cpu_loras must be >= max_loras")
 
 
 DEFAULT_KV_BLOCKS = 4096

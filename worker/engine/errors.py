@@ -33,3 +33,29 @@ class EngineStepError(EngineError):
         super().__init__(f"engine step failed for {len(request_ids)} request(s): {cause!r}")
         self.request_ids = request_ids
         self.cause = cause
+
+
+class LoRAError(EngineError):
+    """Base class of the LoRA adapter errors below."""
+
+
+class LoRAAdapterNotFoundError(LoRAError):
+    """No adapter by this name is loaded, or no PEFT adapter exists at the given path (404)."""
+
+
+class InvalidLoRAAdapterError(LoRAError):
+    """The adapter exists but cannot be served: format, config, target modules, rank or shapes (400)."""
+
+
+class LoRAAdapterConflictError(LoRAError):
+    """Loading would replace something: the name is already loaded (without ``load_inplace``),
+    or it is the base model's name (400)."""
+
+
+class LoRADisabledError(LoRAError):
+    """The engine was started without LoRA support (``enable_lora``) (400)."""
+
+
+class LoRAUnavailableError(LoRAError):
+    """A registered adapter cannot be read back from disk as it was registered: its files
+    vanished or changed since (503; load it again)."""

@@ -9,23 +9,32 @@
 
 With ``runner=`` given (the simulated worker) no model and no tensors are created: the engine
 uses the byte-level tokenizer (unless one is passed) and ``config.num_kv_blocks`` blocks.
+
+LoRA (``config.enable_lora``, docs/lora.md)::
+
+    adapter = engine.add_lora("sql", "/adapters/sql")       # PEFT directory, validated
+    engine.add_request("r2", prompt_ids, params, lora=adapter)
 """
 from __future__ import annotations
 
+import functools
 import time
 from typing import Iterable
 
 from worker.engine.config import DEFAULT_KV_BLOCKS, EngineConfig, ModelConfig
 from worker.engine.errors import (DuplicateRequestError, EngineStepError, InvalidRequestError,
-                           PromptTooLongError)
+                           LoRADisabledError, PromptTooLongError)
 from worker.engine.kv_cache.events import KVCacheEvent
+from worker.engine.kv_cache.hashing import adapter_namespace
+from worker.engine.lora.adapter import LoRAAdapter, read_peft_adapter
+from worker.engine.lora.registry import AdapterReader, LoRARegistry
 from worker.engine.output_processor import RequestState, abort_output, process_token
 from worker.engine.outputs import RequestOutput
 from worker.engine.runner import ModelRunner
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence, SequenceStatus
-from worker.engine.stats import EngineStats, engine_speed_meter, prefill_work
+from worker.engine.stats import EngineStats, LoRAStats, engine_speed_meter, prefill_work
 from worker.engine.tokenizer import ByteTokenizer, Tokenizer
 
 
@@ -33,7 +42,11 @@ class LLMEngine:
     """A paged-KV, prefix-caching, continuously batching engine driven by :meth:`step`."""
 
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None,
-                 tokenizer: Tokenizer | None = None) -> None:
+                 tokenizer: Tokenizer | None = None, lora_reader: AdapterReader | None = None,
+                 served_model_names: Iterable[str] = ()) -> None:
+        """``lora_reader`` reads an adapter directory (default: PEFT, validated against the
+        model, weights in its dtype; without a model, metadata only). ``served_model_names``
+        are names an adapter may not take (the base model's)."""
         self.config = config
         self.model_config: ModelConfig | None = None
         if runner is None:
@@ -64,6 +77,15 @@ class LLMEngine:
         tok_eos = getattr(self.tokenizer, "eos_token_id", None)
         self.eos_token_ids = sorted(set(eos) | ({tok_eos} if tok_eos is not None else set()))
         self.scheduler = Scheduler(config, num_blocks)
+        self.lora: LoRARegistry | None = None
+        self.lora_slot_load_s = 0.0  # EMA of one host -> slot copy (0 until measured)
+        if config.enable_lora:
+            if lora_reader is None:
+                dtype = getattr(runner, "dtype", None)
+                lora_reader = functools.partial(_read_adapter, max_rank=config.max_lora_rank,
+                                                model_config=self.model_config, dtype=dtype)
+            assert config.max_cpu_loras is not None
+            self.lora = LoRARegistry(config.max_cpu_loras, lora_reader, served_model_names)
         self.speed = engine_speed_meter(config.default_prefill_tokens_per_s, config.default_decode_step_s,
                                         config.max_num_batched_tokens, config.speed_ema_alpha)
         self._states: dict[str, RequestState] = {}
@@ -95,12 +117,20 @@ class LLMEngine:
                 f"{limit} tokens including at least one generated token")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    namespace: int = 0, arrival_time: float | None = None) -> None:
-        """Queue a request. ``namespace`` seeds its block hashes (no sharing across namespaces)."""
+                    namespace: int = 0, arrival_time: float | None = None,
+                    lora: LoRAAdapter | None = None) -> None:
+        """Queue a request. ``namespace`` seeds its block hashes (no sharing across namespaces);
+        with ``lora`` (from :meth:`add_lora` / :meth:`get_lora`) the request runs with that
+        adapter and its blocks are keyed by the adapter's identity too."""
         if request_id in self.scheduler.requests:
             raise DuplicateRequestError(f"request id {request_id!r} is already running")
         self.validate_request(prompt_token_ids, params)
-        seq = Sequence(request_id, list(prompt_token_ids), params, namespace=namespace,
+        if lora is not None:
+            if self.lora is None:
+                raise LoRADisabledError("LoRA adapters are not enabled on this engine (enable_lora)")
+            self.lora.acquire(lora)  # host-resident from here until the request finishes
+        seq = Sequence(request_id, list(prompt_token_ids), params,
+                       namespace=self.block_namespace(namespace, lora), lora=lora,
                        max_total_tokens=min(self.max_model_len, self.capacity_tokens),
                        arrival_time=time.monotonic() if arrival_time is None else arrival_time)
         self._states[request_id] = RequestState(seq, self.tokenizer, self.eos_token_ids)
@@ -113,10 +143,15 @@ class LLMEngine:
         seq = self.scheduler.requests.get(request_id)
         if seq is None:
             return False
-        self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        self._finish(seq, SequenceStatus.FINISHED_ABORTED)
         self._pending.append(abort_output(seq, self._states.pop(request_id, None)))
         self.requests_finished += 1
         return True
+
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        self.scheduler.finish(seq, status)
+        if seq.lora is not None and self.lora is not None:
+            self.lora.release(seq.lora)
 
     def has_unfinished_requests(self) -> bool:
         """True while any request waits, runs, or has an undelivered final output."""
@@ -139,11 +174,16 @@ class LLMEngine:
             for rid in failed:
                 seq = self.scheduler.requests.get(rid)
                 if seq is not None:
-                    self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+                    self._finish(seq, SequenceStatus.FINISHED_ABORTED)
                     self._states.pop(rid, None)
                     self.requests_finished += 1
             raise EngineStepError(failed, exc) from exc
         duration = time.perf_counter() - start if result.step_s is None else result.step_s
+        if batch.lora_loads and result.lora_load_s > 0:
+            per_load = result.lora_load_s / len(batch.lora_loads)
+            self.lora_slot_load_s = per_load if self.lora_slot_load_s == 0 else (
+                0.7 * self.lora_slot_load_s + 0.3 * per_load)
+            duration = max(duration - result.lora_load_s, 1e-9)  # not the model's speed
         self.scheduler.on_step_done(batch)
         self.num_steps += 1
         now = time.monotonic()
@@ -159,7 +199,7 @@ class LLMEngine:
                                 result.logprobs.get(s.request_id), now)
             self.generation_tokens_total += 1
             if out.finished:
-                self.scheduler.finish(seq, seq.status)
+                self._finish(seq, seq.status)
                 self._states.pop(s.request_id, None)
                 self.requests_finished += 1
             outputs.append(out)
@@ -190,6 +230,36 @@ class LLMEngine:
                     out.ttft_s = prev.ttft_s if prev.ttft_s is not None else out.ttft_s
                 merged[out.request_id] = out
         return [merged[rid] for rid in ids]
+
+    # ---- LoRA adapters ------------------------------------------------------------------------
+    def _registry(self) -> LoRARegistry:
+        if self.lora is None:
+            raise LoRADisabledError("LoRA adapters are not enabled on this engine (enable_lora)")
+        return self.lora
+
+    def add_lora(self, name: str, path: str, replace: bool = False) -> LoRAAdapter:
+        """Read, validate and register the PEFT adapter at ``path`` as ``name`` (any thread).
+
+        Raises the LoRA errors of :mod:`worker.engine.errors` (not found, invalid, conflict,
+        disabled). With ``replace``, requests already running keep the previous weights.
+        """
+        return self._registry().add(name, path, replace)
+
+    def remove_lora(self, name: str) -> LoRAAdapter:
+        """Unregister ``name``; its requests in flight finish with it (any thread)."""
+        return self._registry().remove(name)
+
+    def get_lora(self, name: str) -> LoRAAdapter:
+        """The current version of adapter ``name`` (LoRAAdapterNotFoundError if none)."""
+        return self._registry().get(name)
+
+    def list_loras(self) -> list[LoRAAdapter]:
+        """Every adapter served, by name (empty without LoRA)."""
+        return self.lora.adapters() if self.lora is not None else []
+
+    def block_namespace(self, namespace: int, lora: LoRAAdapter | None) -> int:
+        """The seed of the block hashes of a request in ``namespace`` run with ``lora``."""
+        return adapter_namespace(namespace, lora.identity if lora is not None else None)
 
     # ---- observability ----------------------------------------------------------------------
     def take_kv_events(self) -> list[KVCacheEvent]:
@@ -224,4 +294,30 @@ class LLMEngine:
             prefix_cache_hits=sched.prefix_cache_hits, num_preemptions=sched.num_preemptions,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
-            requests_finished=self.requests_finished, num_steps=self.num_steps)
+            requests_finished=self.requests_finished, num_steps=self.num_steps,
+            lora=self._lora_stats())
+
+    def _lora_stats(self) -> LoRAStats | None:
+        registry, slots = self.lora, self.scheduler.lora_slots
+        if registry is None or slots is None:
+            return None
+        sched = self.scheduler
+        in_slots = {a.lora_int_id for a in slots.adapters[1:] if a is not None and not a.removed}
+        current = registry.adapters()
+        return LoRAStats.of(
+            config=self.config, adapters=current,
+            gpu=[a.name for a in current if a.lora_int_id in in_slots],
+            cpu=[a.name for a in registry.resident() if a.lora_int_id not in in_slots],
+            running=[s.lora_name for s in sched.running if s.lora is not None],
+            waiting=[s.lora_name for s in sched.waiting if s.lora is not None],
+            disk_load_s=registry.disk_load_s, slot_load_s=self.lora_slot_load_s)
+
+
+def _read_adapter(name: str, path: str, *, max_rank: int, model_config: ModelConfig | None,
+                  dtype) -> LoRAAdapter:
+    """The default adapter reader: PEFT, checked against the model; without one, metadata only
+    (``weights`` empty: nothing to compute with, but resident)."""
+    adapter = read_peft_adapter(name, path, max_rank=max_rank, model_config=model_config, dtype=dtype)
+    if model_config is None:
+        adapter.weights = {}
+    return adapter

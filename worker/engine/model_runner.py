@@ -6,15 +6,20 @@ lays each step out as one flat batch of tokens, decoding sequences first::
     tokens:  [d0 d1 d2 | p0 p0 p0 p0 p1 p1 ...]     positions, slot_mapping likewise
               decodes     extends (prefill chunks, recomputes)
 
-so the paged-decode kernel takes the first rows and prefix-extend the rest.
+so the paged-decode kernel takes the first rows and prefix-extend the rest. With LoRA, the
+same rows carry their adapter's slot: BGMV over the decode rows, SGMV over each prefill chunk
+(worker/engine/lora/weights.py); the slot loads a batch asks for are copied in first.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
-from kernels.backend import get_attention_backend
+from kernels.backend import get_attention_backend, get_lora_backend
 from worker.engine.config import DEFAULT_KV_BLOCKS, EngineConfig, ModelConfig
 from worker.engine.errors import ModelLoadError
+from worker.engine.lora.weights import LoRASlotWeights, build_lora_context
 from worker.engine.model.attention_context import AttentionContext
 from worker.engine.model.llama import LlamaForCausalLM
 from worker.engine.model.loader import load_model, torch_dtype
@@ -52,6 +57,11 @@ class TorchModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(mc.num_hidden_layers)]
+        self.lora_weights: LoRASlotWeights | None = None
+        if engine_config.enable_lora:
+            self.lora_backend = get_lora_backend(engine_config.attention_backend, self.device)
+            self.lora_weights = LoRASlotWeights(mc, engine_config.max_loras, engine_config.max_lora_rank,
+                                                self.dtype, self.device)
         self._generators: dict[str, torch.Generator] = {}
         self._seed_counter = engine_config.seed
 
@@ -91,6 +101,17 @@ class TorchModelRunner:
             self._generators[request_id] = gen
         return gen
 
+    def _load_loras(self, batch: ScheduledBatch) -> float:
+        """Copy the batch's newly assigned adapters into their slots; the seconds it took."""
+        if self.lora_weights is None:
+            raise RuntimeError("a batch asked for LoRA slot loads but LoRA is not enabled")
+        start = time.perf_counter()
+        for slot, adapter in batch.lora_loads:
+            self.lora_weights.load(slot, adapter)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # to time the copies (the stream orders them anyway)
+        return time.perf_counter() - start
+
     def _block_table(self, seqs: list[ScheduledSequence]) -> torch.Tensor:
         width = max(len(s.block_ids) for s in seqs)
         rows = [s.block_ids + [0] * (width - len(s.block_ids)) for s in seqs]
@@ -101,7 +122,9 @@ class TorchModelRunner:
         """Compute the batch's tokens and sample for sequences that complete this step."""
         for rid in batch.finished_request_ids:
             self._generators.pop(rid, None)
-        decodes = [s for s in batch.seqs if not s.is_prefill]
+        lora_load_s = self._load_loras(batch) if batch.lora_loads else 0.0
+        # Decodes grouped by adapter slot: each adapter's decode rows are then one contiguous run.
+        decodes = sorted((s for s in batch.seqs if not s.is_prefill), key=lambda s: s.lora_slot)
         extends = [s for s in batch.seqs if s.is_prefill]
         ordered = decodes + extends
         bs = self.block_size
@@ -110,10 +133,12 @@ class TorchModelRunner:
         slots: list[int] = []
         sample_rows: list[int] = []
         sample_seqs: list[ScheduledSequence] = []
+        row_slots: list[int] = []
         for s in ordered:
             start = s.num_computed_tokens
             table = s.block_ids
             input_ids.extend(s.new_token_ids)
+            row_slots.extend([s.lora_slot] * s.num_scheduled_tokens)
             positions.extend(range(start, start + s.num_scheduled_tokens))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + s.num_scheduled_tokens))
             if s.samples:
@@ -138,9 +163,12 @@ class TorchModelRunner:
             ctx.extend_query_start_loc = torch.tensor(starts, dtype=torch.int32, device=dev)
             ctx.extend_context_lens = torch.tensor([s.context_len for s in extends], dtype=torch.int32, device=dev)
             ctx.extend_max_query_len = max(q_lens)
+        lora = None
+        if self.lora_weights is not None:
+            lora = build_lora_context(self.lora_weights, self.lora_backend, row_slots, len(decodes), dev)
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
-                            torch.tensor(positions, dtype=torch.long, device=dev), self.kv_caches, ctx)
-        out = RunnerOutput()
+                            torch.tensor(positions, dtype=torch.long, device=dev), self.kv_caches, ctx, lora)
+        out = RunnerOutput(lora_load_s=lora_load_s)
         if not sample_rows:
             return out
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])

@@ -8,9 +8,12 @@ only reads the counts and returns deterministic tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from worker.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from worker.engine.lora.adapter import LoRAAdapter
 
 
 @dataclass(slots=True)
@@ -31,7 +34,8 @@ class ScheduledSequence:
     positions (cache hits included) is already in ``block_ids``. ``samples`` is True when the
     step reaches the sequence's last known token, so a new token is sampled.
     ``prompt_token_ids`` is the request's whole prompt (the engine's list, read-only): a runner
-    that answers per prompt (the simulator's recorded-answer mode) reads it.
+    that answers per prompt (the simulator's recorded-answer mode) reads it. ``lora_slot`` is
+    the GPU slot of the sequence's adapter (0: the base model).
     """
 
     request_id: str
@@ -45,6 +49,7 @@ class ScheduledSequence:
     num_prompt_tokens: int
     num_output_tokens: int
     prompt_token_ids: list[int] = field(default_factory=list)
+    lora_slot: int = 0
 
     @property
     def context_len(self) -> int:
@@ -54,11 +59,16 @@ class ScheduledSequence:
 
 @dataclass(slots=True)
 class ScheduledBatch:
-    """Everything one engine step computes, plus requests finished since the previous step."""
+    """Everything one engine step computes, plus requests finished since the previous step.
+
+    ``lora_loads``: ``(slot, adapter)`` assignments the runner applies before computing this
+    step (copy the adapter's weights into the slot): adapters load between steps.
+    """
 
     seqs: list[ScheduledSequence] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
     block_size: int = 16
+    lora_loads: list[tuple[int, "LoRAAdapter"]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -82,11 +92,14 @@ class RunnerOutput:
 
     ``step_s``: the step's duration when the runner knows it better than the engine's wall
     clock (the simulated runner: its modelled time over the time scale); None = measure it.
+    ``lora_load_s``: the part of the step spent loading adapters into slots (the engine keeps
+    it out of its speed measurements and reports it as the slot load time).
     """
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     step_s: float | None = None
+    lora_load_s: float = 0.0
 
 
 class ModelRunner(Protocol):

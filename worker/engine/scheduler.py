@@ -14,6 +14,14 @@ Each step gets ``max_num_batched_tokens`` tokens of budget:
 
 Prefill chunks and decode tokens share one step ("mixed batches"). The scheduler owns token
 bookkeeping only; the engine applies sampled tokens and finishing rules.
+
+With LoRA, every running request pins its adapter's GPU slot (worker/engine/lora/slots.py), so a
+step never holds more than ``max_loras`` distinct adapters. A waiting request whose adapter has
+no slot and finds none free is *blocked*; requests behind it that need no new slot (the base
+model, adapters already in a slot) are still admitted, but each distinct blocked adapter
+*reserves* one pinned slot -- the one with the fewest running requests -- that admits nothing
+new until it drains and the blocked adapter takes it. So a waiting adapter is never starved by a
+stream of requests for the adapters in the slots, and a slot is loaded only between steps.
 """
 from __future__ import annotations
 
@@ -22,6 +30,8 @@ from collections import deque
 
 from worker.engine.config import EngineConfig
 from worker.engine.kv_cache.kv_cache_manager import KVCacheManager
+from worker.engine.lora.adapter import LoRAAdapter
+from worker.engine.lora.slots import LoRASlots
 from worker.engine.runner import ScheduledBatch, ScheduledSequence
 from worker.engine.sequence import Sequence, SequenceStatus
 
@@ -40,6 +50,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.requests: dict[str, Sequence] = {}
         self._finished_ids: list[str] = []
+        self.lora_slots = LoRASlots(config.max_loras) if config.enable_lora else None
+        # Slots reserved for blocked adapters: slot -> the lora_int_id it held when reserved.
+        self._draining: dict[int, int] = {}
         # Counters (cumulative).
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
@@ -55,6 +68,7 @@ class Scheduler:
         """Mark ``seq`` finished, drop it from the queues and free its blocks now."""
         if seq in self.running:
             self.running.remove(seq)
+            self._unpin(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = status
@@ -65,8 +79,13 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _unpin(self, seq: Sequence) -> None:
+        if seq.lora is not None and self.lora_slots is not None:
+            self.lora_slots.unpin(seq.lora)
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._unpin(seq)
         self.kv_cache_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
@@ -101,9 +120,15 @@ class Scheduler:
 
         # Admitting new work right after preempting would only thrash the pool.
         now = time.monotonic()
-        while (self.waiting and budget > 0 and not preempted
+        self._forget_taken_reservations()
+        blocked: list[LoRAAdapter] = []  # distinct adapters waiting for a slot, in queue order
+        i = 0
+        while (i < len(self.waiting) and budget > 0 and not preempted
                and len(self.running) < self.max_num_seqs):
-            seq = self.waiting[0]
+            seq = self.waiting[i]
+            if seq.lora is not None and not self._slot_available(seq, blocked, now):
+                i += 1  # it waits for a slot; those behind it may still go
+                continue
             hits, num_hit_tokens = kv.get_computed_blocks(seq)
             n = seq.num_tokens - num_hit_tokens
             if n > budget and not self.config.enable_chunked_prefill:
@@ -111,7 +136,9 @@ class Scheduler:
             n = min(n, budget)
             if not kv.allocate_slots(seq, n, hits):
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
+            if seq.lora is not None:
+                self._pin(seq, now)
             seq.num_computed_tokens = num_hit_tokens
             seq.status = SequenceStatus.RUNNING
             if seq.num_cached_tokens < 0:
@@ -122,10 +149,14 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append((seq, n))
             budget -= n
+        if i >= len(self.waiting) and len(self._draining) > len(blocked):
+            self._release_reservations(len(blocked))  # the whole queue was seen: fewer are needed
 
         batch = ScheduledBatch(finished_request_ids=self._finished_ids, block_size=self.block_size)
         if scheduled:  # an empty batch never reaches the runner: keep the ids for the next one
             self._finished_ids = []
+            if self.lora_slots is not None:
+                batch.lora_loads = self.lora_slots.take_loads()
         for seq, n in scheduled:
             start = seq.num_computed_tokens
             end = start + n
@@ -142,8 +173,64 @@ class Scheduler:
                 num_prompt_tokens=seq.num_prompt_tokens,
                 num_output_tokens=seq.num_output_tokens,
                 prompt_token_ids=seq.prompt_token_ids,
+                lora_slot=self.lora_slots.slot_of(seq.lora) if seq.lora is not None and self.lora_slots else 0,
             ))
         return batch
+
+    # ---- LoRA slots --------------------------------------------------------------------------
+    def _slot_available(self, seq: Sequence, blocked: list[LoRAAdapter], now: float) -> bool:
+        """Whether ``seq``'s adapter may take (or share) a slot now; else note that it waits."""
+        slots = self.lora_slots
+        lora = seq.lora
+        assert slots is not None and lora is not None
+        slot = slots.slot_of(lora)
+        if slot and slot in self._draining:
+            ok = False  # its slot drains for a blocked adapter: joining would keep it pinned
+        elif slots.can_pin(lora):
+            ok = True
+        else:
+            ok = False
+            if all(b is not lora for b in blocked):
+                blocked.append(lora)
+                if len(self._draining) < len(blocked):
+                    self._reserve_slot()
+        if not ok and seq.slot_wait_since is None:
+            seq.slot_wait_since = now
+        return ok
+
+    def _reserve_slot(self) -> None:
+        """Stop admitting to one more pinned slot: the one with the fewest running requests."""
+        slots = self.lora_slots
+        assert slots is not None
+        candidates = [s for s in slots.pinned_slots() if s not in self._draining]
+        if not candidates:
+            return
+        fewest = min(slots.pins[s] for s in candidates)
+        slot = slots.least_recently_used([s for s in candidates if slots.pins[s] == fewest])
+        holder = slots.adapters[slot]
+        assert holder is not None
+        self._draining[slot] = holder.lora_int_id
+
+    def _forget_taken_reservations(self) -> None:
+        slots = self.lora_slots
+        if slots is None:
+            return
+        for slot, lora_id in list(self._draining.items()):
+            holder = slots.adapters[slot]
+            if holder is None or holder.lora_int_id != lora_id:
+                del self._draining[slot]  # another adapter took it: the reservation served
+
+    def _release_reservations(self, keep: int) -> None:
+        # Release the most recently reserved first: older reservations have drained longest.
+        for slot in list(self._draining)[keep:]:
+            del self._draining[slot]
+
+    def _pin(self, seq: Sequence, now: float) -> None:
+        assert self.lora_slots is not None and seq.lora is not None
+        self.lora_slots.pin(seq.lora)
+        if seq.slot_wait_since is not None:
+            seq.lora.counters.slot_wait_s += now - seq.slot_wait_since
+            seq.slot_wait_since = None
 
     def on_step_done(self, batch: ScheduledBatch) -> None:
         """Advance computed-token counts and register newly written full blocks as cached."""

@@ -11,6 +11,7 @@ from worker.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from worker.engine.kv_cache.block_pool import KVCacheBlock
+    from worker.engine.lora.adapter import LoRAAdapter
 
 
 class SequenceStatus(enum.Enum):
@@ -34,13 +35,16 @@ class Sequence:
     ``num_computed_tokens`` counts tokens whose KV is written (cache hits included); after a
     preemption it drops to 0 and the prompt plus the tokens generated so far are recomputed.
     ``num_cached_tokens`` is the prefix-cache hit of the request's first scheduling (what
-    ``usage.prompt_tokens_details.cached_tokens`` reports).
+    ``usage.prompt_tokens_details.cached_tokens`` reports). ``lora`` is the adapter the request
+    runs with (None: the base model); ``namespace`` then already includes its identity.
+    ``slot_wait_since`` is when the scheduler first found no GPU slot for that adapter.
     """
 
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     namespace: int = 0
+    lora: "LoRAAdapter | None" = None
     max_total_tokens: int = 1 << 62
     arrival_time: float = field(default_factory=time.monotonic)
     token_ids: list[int] = field(init=False)
@@ -55,6 +59,7 @@ class Sequence:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+    slot_wait_since: float | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -77,6 +82,11 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         """Tokens still to prefill (or 1 for a decode step)."""
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def lora_name(self) -> str | None:
+        """The adapter's name, None for the base model."""
+        return self.lora.name if self.lora is not None else None
 
     @property
     def is_finished(self) -> bool:

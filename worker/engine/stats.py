@@ -1,10 +1,15 @@
-"""EngineStats (the engine's load and counters) and SpeedMeter (measured prefill/decode speed)."""
+"""EngineStats (the engine's load and counters), LoRAStats (its adapters), SpeedMeter (measured speed)."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any, Iterable
+from collections import Counter
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Iterable
 
 from protocol import ATTENTION_KNEE_TOKENS  # the unit of the measured prefill speed
+
+if TYPE_CHECKING:
+    from worker.engine.config import EngineConfig
+    from worker.engine.lora.adapter import LoRAAdapter
 
 
 def prefill_work(chunks: Iterable[tuple[int, int]], knee: float = ATTENTION_KNEE_TOKENS) -> float:
@@ -22,6 +27,64 @@ def prefill_work(chunks: Iterable[tuple[int, int]], knee: float = ATTENTION_KNEE
 
 
 @dataclass(slots=True)
+class LoRACounters:
+    """Cumulative per-adapter counters (the worker's ``/metrics`` exposes them by adapter name)."""
+
+    requests: int = 0
+    disk_loads: int = 0  # read from disk into host memory
+    slot_loads: int = 0  # copied from host memory into a GPU slot
+    cpu_evictions: int = 0  # host copy dropped (LRU)
+    slot_evictions: int = 0  # GPU slot given to another adapter
+    slot_wait_s: float = 0.0  # seconds requests spent waiting for a GPU slot
+
+
+@dataclass(slots=True)
+class LoRAStats:
+    """Where an engine's adapters are and who waits for them, right now.
+
+    ``adapters``: every adapter served, name -> the first 16 hex digits of its content digest
+    (a reloaded name gets a new one). ``gpu``: in a GPU slot; ``cpu``: in host memory but not in
+    a slot (the rest are on disk only). ``running`` / ``waiting``: requests per adapter, as
+    vLLM's ``running_lora_adapters`` / ``waiting_lora_adapters``. ``disk_load_s`` /
+    ``slot_load_s``: measured seconds of one disk -> host read and one host -> slot copy (EMA,
+    0 until measured).
+    """
+
+    max_loras: int
+    max_cpu_loras: int
+    max_lora_rank: int
+    adapters: dict[str, str] = field(default_factory=dict)
+    gpu: list[str] = field(default_factory=list)
+    cpu: list[str] = field(default_factory=list)
+    running: dict[str, int] = field(default_factory=dict)
+    waiting: dict[str, int] = field(default_factory=dict)
+    counters: dict[str, LoRACounters] = field(default_factory=dict)
+    disk_load_s: float = 0.0
+    slot_load_s: float = 0.0
+
+    @classmethod
+    def of(cls, config: "EngineConfig", adapters: list["LoRAAdapter"], gpu: list[str], cpu: list[str],
+           running: Iterable[str | None], waiting: Iterable[str | None], disk_load_s: float,
+           slot_load_s: float) -> "LoRAStats":
+        """A snapshot (counters copied: the engine keeps counting)."""
+        assert config.max_cpu_loras is not None
+        return cls(max_loras=config.max_loras, max_cpu_loras=config.max_cpu_loras,
+                   max_lora_rank=config.max_lora_rank,
+                   adapters={a.name: a.short_digest for a in adapters}, gpu=sorted(gpu), cpu=sorted(cpu),
+                   running=dict(sorted(Counter(n for n in running if n).items())),
+                   waiting=dict(sorted(Counter(n for n in waiting if n).items())),
+                   counters={a.name: replace(a.counters) for a in adapters},
+                   disk_load_s=disk_load_s, slot_load_s=slot_load_s)
+
+    def load_report_fields(self) -> dict[str, Any]:
+        """The LoRA fields of ``protocol.LoadReport``."""
+        return {"max_loras": self.max_loras, "lora_adapters": dict(self.adapters),
+                "lora_gpu": list(self.gpu), "lora_cpu": list(self.cpu),
+                "lora_running": dict(self.running), "lora_waiting": dict(self.waiting),
+                "lora_disk_load_s": self.disk_load_s, "lora_slot_load_s": self.slot_load_s}
+
+
+@dataclass(slots=True)
 class EngineStats:
     """A snapshot of load, capacity, measured speed and cumulative counters.
 
@@ -32,7 +95,7 @@ class EngineStats:
     tokens of waiting and partially prefilled requests; ``running_tokens`` the context tokens of
     running requests. ``prefill_tokens_per_s`` (linear-equivalent tokens per second, see
     :func:`prefill_work`) and ``decode_step_s`` are EMAs over recent steps (the configured
-    defaults until measured; ``speed_measured`` says which).
+    defaults until measured; ``speed_measured`` says which). ``lora`` is None without LoRA.
     """
 
     running: int
@@ -59,6 +122,7 @@ class EngineStats:
     generation_tokens_total: int
     requests_finished: int
     num_steps: int
+    lora: LoRAStats | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -74,6 +138,7 @@ class EngineStats:
             "capacity_tokens": self.capacity_tokens, "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "prefill_tokens_per_s": self.prefill_tokens_per_s, "decode_step_s": self.decode_step_s,
+            **(self.lora.load_report_fields() if self.lora is not None else {}),
         }
 
 

@@ -7,9 +7,10 @@ Lifecycle of ``serve(config)``::
     SIGTERM/SIGINT -> draining: /health 503, new requests 503, registry status "draining"
     -> wait for in-flight requests (--drain-timeout) -> deregister -> close -> exit 0
 
-Routes are in worker/server/api/: openai_routes (completions, chat, models), probes (health, load,
-metrics, server/model info, tokenize, render), errors (the worker's exceptions in OpenAI's shape).
-The error and API-key middlewares are protocol's, shared with the router.
+Routes are in worker/server/api/: openai_routes (completions, chat, models), lora_routes (vLLM's
+load/unload adapter endpoints), probes (health, load, metrics, server/model info, tokenize,
+render), errors (the worker's exceptions in OpenAI's shape). The error and API-key middlewares
+are protocol's, shared with the router.
 """
 from __future__ import annotations
 
@@ -27,22 +28,19 @@ from protocol.http_errors import app_runner
 from protocol.keys import RedisKeys
 from protocol.messages import KV_CLEARED
 from protocol.openai_api import RequestLimits
-from worker.server.api import openai_routes, probes
+from worker.server.api import lora_routes, openai_routes, probes
 from worker.server.api.context import CTX, WorkerContext
 from worker.server.api.errors import error_middleware
 from worker.engine.async_engine import AsyncLLMEngine
-from worker.engine.config import EngineConfig
+from worker.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, EngineConfig
 from worker.engine.llm_engine import LLMEngine
 from worker.server.kv_events import KVEventMapper
 from worker.server.publisher import RedisPublisher
 from worker.server.config import ServerConfig
+from worker.simulator.profiles import SIM_MAX_NUM_BATCHED_TOKENS, SIM_MAX_NUM_SEQS
 from worker.simulator.recorded import RecordedAnswers
 
 log = logging.getLogger("prefixlb.worker.server")
-
-SIM_DEFAULT_MAX_NUM_SEQS = 256
-SIM_DEFAULT_MAX_BATCHED_TOKENS = 8192
-
 
 @dataclass(slots=True)
 class BuiltEngine:
@@ -55,7 +53,9 @@ class BuiltEngine:
 
 
 def build_engine(cfg: ServerConfig) -> BuiltEngine:
-    """The engine ``cfg`` asks for."""
+    """The engine ``cfg`` asks for, with its ``--lora`` adapters loaded."""
+    lora = dict(enable_lora=cfg.lora_enabled, max_loras=cfg.max_loras, max_cpu_loras=cfg.max_cpu_loras,
+                max_lora_rank=cfg.max_lora_rank)
     if cfg.simulate:
         from worker.simulator.recorded import RecordedAnswers
         from worker.simulator.runner import build_simulated_engine
@@ -65,22 +65,30 @@ def build_engine(cfg: ServerConfig) -> BuiltEngine:
         engine, runner = build_simulated_engine(
             cfg.gpu, cfg.sim_model, tp=cfg.sim_tp, time_scale=cfg.time_scale,
             block_size=cfg.block_size, num_kv_blocks=cfg.kv_blocks, kv_memory_bytes=cfg.kv_memory_bytes,
-            max_num_seqs=cfg.max_num_seqs or SIM_DEFAULT_MAX_NUM_SEQS,
-            max_num_batched_tokens=cfg.max_num_batched_tokens or SIM_DEFAULT_MAX_BATCHED_TOKENS,
-            max_model_len=cfg.max_model_len, output_len=cfg.sim_output_len, seed=cfg.seed, answers=answers)
+            max_num_seqs=cfg.max_num_seqs or SIM_MAX_NUM_SEQS,
+            max_num_batched_tokens=cfg.max_num_batched_tokens or SIM_MAX_NUM_BATCHED_TOKENS,
+            max_model_len=cfg.max_model_len, output_len=cfg.sim_output_len, seed=cfg.seed, answers=answers,
+            served_model_names=[cfg.model_name], **lora)
         info = {"gpu": runner.latency.gpu.name, "sim_model": runner.latency.model.name,
                 "tp_size": runner.latency.tp, "time_scale": cfg.time_scale}
         if answers is not None:
             info["recorded_answers"] = {"model": answers.model, "prompts": len(answers)}
-        return BuiltEngine(engine, info, lambda: {"sim_modelled_seconds_total": runner.clock.modelled_s,
-                                                  "sim_steps_total": runner.steps}, answers)
-    config = EngineConfig(
-        model=cfg.model, block_size=cfg.block_size, num_kv_blocks=cfg.kv_blocks,
-        kv_memory_bytes=cfg.kv_memory_bytes, max_num_seqs=cfg.max_num_seqs or 32,
-        max_num_batched_tokens=cfg.max_num_batched_tokens or 2048, max_model_len=cfg.max_model_len,
-        attention_backend=cfg.attention_backend, device=cfg.device, num_threads=cfg.threads,
-        seed=cfg.seed)
-    return BuiltEngine(LLMEngine(config), {"device": cfg.device})
+        built = BuiltEngine(engine, info, lambda: {"sim_modelled_seconds_total": runner.clock.modelled_s,
+                                                   "sim_steps_total": runner.steps}, answers)
+    else:
+        config = EngineConfig(
+            model=cfg.model, block_size=cfg.block_size, num_kv_blocks=cfg.kv_blocks,
+            kv_memory_bytes=cfg.kv_memory_bytes, max_num_seqs=cfg.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
+            max_num_batched_tokens=cfg.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
+            max_model_len=cfg.max_model_len,
+            attention_backend=cfg.attention_backend, device=cfg.device, num_threads=cfg.threads,
+            seed=cfg.seed, **lora)
+        built = BuiltEngine(LLMEngine(config, served_model_names=[cfg.model_name]), {"device": cfg.device})
+    for name, path in cfg.lora_specs:
+        adapter = built.engine.add_lora(name, path)
+        log.info("event=lora_loaded lora=%s path=%s digest=%s rank=%d targets=%s", name, path,
+                 adapter.short_digest, adapter.rank, ",".join(adapter.target_modules))
+    return built
 
 
 def create_app(ctx: WorkerContext) -> web.Application:
@@ -94,6 +102,8 @@ def create_app(ctx: WorkerContext) -> web.Application:
     r.add_post("/v1/completions", openai_routes.completions)
     r.add_post("/v1/chat/completions", openai_routes.chat_completions)
     r.add_get("/v1/models", openai_routes.models)
+    r.add_post("/v1/load_lora_adapter", lora_routes.load_lora_adapter)
+    r.add_post("/v1/unload_lora_adapter", lora_routes.unload_lora_adapter)
     r.add_get("/health", probes.health)
     r.add_get("/health_generate", probes.health_generate)
     r.add_get("/load", probes.load)

@@ -15,6 +15,8 @@ from typing import Sequence
 from protocol.hashing import DEFAULT_CHUNK_SIZE
 from protocol.keys import DEFAULT_PREFIX
 from protocol.settings import SettingsError, load_settings, setting
+from worker.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+from worker.simulator.profiles import SIM_MAX_NUM_BATCHED_TOKENS, SIM_MAX_NUM_SEQS
 
 ENV_PREFIX = "PREFIXLB_WORKER_"
 PRESETS = ("tiny", "small")
@@ -45,9 +47,12 @@ class ServerConfig:
     kv_blocks: int | None = setting(None, "number of KV-cache blocks (wins over --kv-memory)", minimum=1)
     kv_memory: str | None = setting(None, "KV-cache size, e.g. 512MiB (simulated: per GPU)")
     block_size: int = setting(16, "tokens per KV block", minimum=1, maximum=1024)
-    max_num_seqs: int | None = setting(None, "most sequences in one batch (default 32; simulated 256)", minimum=1)
+    max_num_seqs: int | None = setting(
+        None, f"most sequences in one batch (default {DEFAULT_MAX_NUM_SEQS}; simulated {SIM_MAX_NUM_SEQS})",
+        minimum=1)
     max_num_batched_tokens: int | None = setting(
-        None, "token budget of one engine step (default 2048; simulated 8192)", minimum=1)
+        None, f"token budget of one engine step (default {DEFAULT_MAX_NUM_BATCHED_TOKENS}; simulated "
+        f"{SIM_MAX_NUM_BATCHED_TOKENS})", minimum=1)
     max_model_len: int | None = setting(None, "longest prompt + output (default: the model's)", minimum=1)
     attention_backend: str = setting("auto", "attention implementation", choices=("auto", "triton", "torch"))
     device: str = setting("cpu", "torch device of the real engine (cpu, cuda)")
@@ -78,6 +83,14 @@ class ServerConfig:
                                       "(columns prompt, <model>_response)")
     sim_answers_model: str | None = setting(None, "simulated: the model whose recorded answers to replay "
                                             "(its <model>_response column; default served name)")
+    enable_lora: bool = setting(False, "serve LoRA adapters (implied by --lora); load more at run time "
+                                "with POST /v1/load_lora_adapter")
+    lora_modules: list[str] = setting(list, "LoRA adapter NAME=DIR in PEFT format, loaded at start; "
+                                      "requests select it with \"model\": NAME (repeatable)", flag="--lora")
+    max_loras: int = setting(4, "GPU slots: most distinct LoRA adapters in one batch", minimum=1, maximum=1024)
+    max_cpu_loras: int | None = setting(None, "LoRA adapters kept in host memory (default 4 x --max-loras)",
+                                        minimum=1)
+    max_lora_rank: int = setting(16, "largest LoRA rank accepted (sizes the GPU slots)", minimum=1, maximum=1024)
     log_level: str = setting("info", "log level", choices=("debug", "info", "warning", "error"))
 
     @property
@@ -105,6 +118,29 @@ class ServerConfig:
         return f"http://{host}:{self.port}"
 
     @property
+    def lora_enabled(self) -> bool:
+        """Whether the engine serves adapters (``--enable-lora`` or any ``--lora``)."""
+        return self.enable_lora or bool(self.lora_modules)
+
+    @property
+    def lora_specs(self) -> list[tuple[str, str]]:
+        """``--lora NAME=DIR`` as ``(name, dir)`` pairs; SettingsError if malformed or repeated."""
+        out: list[tuple[str, str]] = []
+        for spec in self.lora_modules:
+            name, sep, path = spec.partition("=")
+            name, path = name.strip(), path.strip()
+            if not sep or not name or not path:
+                raise SettingsError(f"--lora {spec!r}: expected NAME=DIR")
+            if any(name == seen for seen, _ in out):
+                raise SettingsError(f"--lora: adapter name {name!r} given twice")
+            if name == self.model_name:
+                raise SettingsError(f"--lora: adapter name {name!r} is the served model's name")
+            out.append((name, path))
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise SettingsError("--max-cpu-loras must be >= --max-loras")
+        return out
+
+    @property
     def kv_memory_bytes(self) -> int | None:
         """``--kv-memory`` in bytes."""
         return parse_size(self.kv_memory) if self.kv_memory else None
@@ -113,6 +149,13 @@ class ServerConfig:
 def load_server_config(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> ServerConfig:
     """Read a ServerConfig from ``argv`` (``prefixlb worker`` flags), env and ``--config``."""
     cfg = load_settings(ServerConfig, argv, env_prefix=ENV_PREFIX, environ=environ)
+    check_server_config(cfg)
+    return cfg
+
+
+def check_server_config(cfg: ServerConfig) -> None:
+    """Refuse what the engine would refuse later, now (SettingsError): sizes, recorded answers,
+    ``--lora`` specs."""
     if cfg.kv_memory:
         parse_size(cfg.kv_memory)  # refuse a bad size now, not when the engine starts
     if cfg.sim_answers is not None and (not cfg.simulate or not cfg.sim_answers_model):
@@ -120,4 +163,4 @@ def load_server_config(argv: Sequence[str] | None = None, environ: dict[str, str
                             "and --sim-answers-model")
     if cfg.sim_answers_model is not None and cfg.sim_answers is None:
         raise SettingsError("--sim-answers-model needs --sim-answers FILE")
-    return cfg
+    _ = cfg.lora_specs  # raises SettingsError on a malformed --lora

@@ -13,9 +13,12 @@ to the prompt block whose caching completes it::
 proportional otherwise). A chunk whose block is not a *full* prompt block is not attached: the
 engine never caches partial blocks, so the router must not be told that prefix is held.
 
-When the engine reports a block stored, its chunks are announced ``stored``; when evicted,
-``removed`` (the entry stays, so a later recompute is announced again); on a cache reset,
-``cleared``. The table from block hash to chunk hashes is
+When the engine reports a block stored, its chunks are announced ``stored`` (naming the LoRA
+adapter whose KV it is); when evicted, ``removed`` (the entry stays, so a later recompute is
+announced again); on a cache reset, ``cleared``. The router's chunk chain and the engine's block
+chain may have different seeds: a LoRA request's blocks are also keyed by the adapter's content
+digest (worker/engine/kv_cache/hashing.py ``adapter_namespace``), its chunks by the names the
+router sees. The table from block hash to chunk hashes is
 bounded (least recently registered entries go first): a forgotten entry only means its later
 eviction goes unannounced, which the router's TTL and cached-token feedback correct.
 """
@@ -47,25 +50,30 @@ def chunk_blocks(num_chunks: int, chunk_size: int, rendered_len: int, num_prompt
 
 @dataclass(frozen=True, slots=True)
 class RequestChunks:
-    """One request's router chunks, the prompt block completing each (-1: none), block hashes."""
+    """One request's router chunks, the prompt block completing each (-1: none), block hashes,
+    and the LoRA adapter it runs with (None: the base model)."""
 
     chunk_hashes: list[int]
     chunk_block_ids: list[int]
     block_hashes: list[int]
+    lora_name: str | None = None
 
 
 def request_chunks(rendered: bytes, prompt_token_ids: Sequence[int], namespace: int,
-                   chunk_size: int, block_size: int) -> RequestChunks:
+                   chunk_size: int, block_size: int, block_namespace: int | None = None,
+                   lora_name: str | None = None) -> RequestChunks:
     """Compute a request's router chain and map it onto its prompt blocks.
 
-    ``namespace`` is ``protocol.namespace_seed(model, adapter, cache_salt)``: the seed of both
-    the router's chunk chain and the engine's block chain.
+    ``namespace`` is ``protocol.namespace_seed(model, adapter, cache_salt)``: the seed of the
+    router's chunk chain, and of the engine's block chain unless ``block_namespace`` (the
+    engine's seed of a LoRA request) is given.
     """
     hashes = chunk_hashes(rendered, chunk_size, namespace)
     blocks = chunk_blocks(len(hashes), chunk_size, len(rendered), len(prompt_token_ids), block_size)
     needed = max(blocks, default=-1) + 1
-    block_hashes = hash_request_blocks(prompt_token_ids, block_size, namespace, needed) if needed else []
-    return RequestChunks(hashes, blocks, block_hashes)
+    seed = namespace if block_namespace is None else block_namespace
+    block_hashes = hash_request_blocks(prompt_token_ids, block_size, seed, needed) if needed else []
+    return RequestChunks(hashes, blocks, block_hashes, lora_name)
 
 
 @dataclass(slots=True)
@@ -76,10 +84,12 @@ class _Entry:
 
 @dataclass(frozen=True, slots=True)
 class ChunkEvent:
-    """One router-facing change: ``kind`` is stored / removed / cleared, in chunk hashes."""
+    """One router-facing change: ``kind`` is stored / removed / cleared, in chunk hashes
+    (``lora_name``: the adapter whose KV a ``stored`` is)."""
 
     kind: str
     hashes: list[int]
+    lora_name: str | None = None
 
 
 class KVEventMapper:
@@ -128,7 +138,7 @@ class KVEventMapper:
             entry.chunks[h] = None
             if entry.stored:
                 late.append(h)
-        return [ChunkEvent(KV_STORED, late)] if late else []
+        return [ChunkEvent(KV_STORED, late, request.lora_name)] if late else []
 
     def _bound(self) -> None:
         while len(self._blocks) > self.max_blocks:
@@ -150,7 +160,7 @@ class KVEventMapper:
                         entry.stored = True
                         hashes.extend(entry.chunks)
                 if hashes:
-                    out.append(ChunkEvent(KV_STORED, hashes))
+                    out.append(ChunkEvent(KV_STORED, hashes, event.lora_name))
             elif isinstance(event, BlockRemoved):
                 hashes = []
                 for block in event.block_hashes:

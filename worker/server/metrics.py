@@ -4,15 +4,21 @@ Engine state (KV blocks, queue lengths, cumulative token counters) is read from 
 latest stats snapshot at scrape time, so the engine thread never touches Prometheus; latency
 histograms are observed by the server as outputs arrive. Names follow Prometheus conventions:
 ``prefixlb_worker_`` prefix, base units in the name, ``_total`` for counters.
+
+With LoRA, vLLM's ``vllm:lora_requests_info`` gauge too, with vLLM's exact labels (``max_lora``,
+``waiting_lora_adapters``, ``running_lora_adapters``: comma-separated adapter names; value: the
+time of the scrape, as vLLM sets it), so tools that read it from vLLM read it from us, plus
+per-adapter counters (``lora_name`` label).
 """
 from __future__ import annotations
 
+import time
 from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from worker.engine.stats import EngineStats
+from worker.engine.stats import EngineStats, LoRAStats
 
 P = "prefixlb_worker_"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4,
@@ -53,11 +59,46 @@ class _EngineCollector:
         }
         for name, (value, doc) in gauges.items():
             yield GaugeMetricFamily(P + name, doc, value=value)
+        if s.lora is not None:
+            yield from _lora_metrics(s.lora)
         for name, value in self._extra().items():
             if name.endswith("_total"):
                 yield CounterMetricFamily(P + name[:-len("_total")], name, value=value)
             else:
                 yield GaugeMetricFamily(P + name, name, value=value)
+
+
+def _lora_metrics(lora: LoRAStats) -> Iterator[Metric]:
+    info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                             labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+    info.add_metric([str(lora.max_loras), ",".join(lora.waiting), ",".join(lora.running)], time.time())
+    yield info
+    yield GaugeMetricFamily(P + "lora_slots", "GPU slots for LoRA adapters (--max-loras)", value=lora.max_loras)
+    tiers = GaugeMetricFamily(P + "lora_adapters", "LoRA adapters served, by the fastest tier holding them",
+                              labels=["tier"])
+    disk = len(lora.adapters) - len(lora.gpu) - len(lora.cpu)
+    for tier, n in (("gpu", len(lora.gpu)), ("cpu", len(lora.cpu)), ("disk", disk)):
+        tiers.add_metric([tier], n)
+    yield tiers
+    yield GaugeMetricFamily(P + "lora_disk_load_seconds", "measured disk -> host read of one adapter (EMA)",
+                            value=lora.disk_load_s)
+    yield GaugeMetricFamily(P + "lora_slot_load_seconds", "measured host -> GPU slot copy of one adapter (EMA)",
+                            value=lora.slot_load_s)
+    requests = CounterMetricFamily(P + "lora_requests", "requests admitted per LoRA adapter", labels=["lora_name"])
+    loads = CounterMetricFamily(P + "lora_loads", "adapter loads: tier cpu = disk -> host, gpu = host -> slot",
+                                labels=["lora_name", "tier"])
+    evictions = CounterMetricFamily(P + "lora_evictions", "adapters evicted from host memory (cpu) or a slot (gpu)",
+                                    labels=["lora_name", "tier"])
+    wait = CounterMetricFamily(P + "lora_slot_wait_seconds", "seconds requests waited for a GPU slot",
+                               labels=["lora_name"])
+    for name, c in lora.counters.items():
+        requests.add_metric([name], c.requests)
+        loads.add_metric([name, "cpu"], c.disk_loads)
+        loads.add_metric([name, "gpu"], c.slot_loads)
+        evictions.add_metric([name, "cpu"], c.cpu_evictions)
+        evictions.add_metric([name, "gpu"], c.slot_evictions)
+        wait.add_metric([name], c.slot_wait_s)
+    yield from (requests, loads, evictions, wait)
 
 
 class WorkerMetrics:

@@ -74,11 +74,12 @@ class RedisPublisher:
 
     # ------------------------------------------------------------------ request side (no I/O)
 
-    def publish(self, kind: str, hashes: list[int]) -> None:
-        """Queue one KV event; drops the oldest queued event if the queue is full."""
+    def publish(self, kind: str, hashes: list[int], lora_name: str | None = None) -> None:
+        """Queue one KV event (``lora_name``: whose KV a ``stored`` is); drops the oldest queued
+        event if the queue is full."""
         self._seq += 1
         event = KVEvent(worker_id=self.info.worker_id, kind=kind, hashes=list(hashes),
-                        chunk_size=self.info.chunk_size, seq=self._seq)
+                        chunk_size=self.info.chunk_size, seq=self._seq, lora_name=lora_name)
         if len(self._queue) >= self.queue_size:
             self._queue.popleft()
             self.stats.dropped += 1

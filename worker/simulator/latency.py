@@ -27,6 +27,15 @@ evenly over ``tp`` GPUs (communication is not modelled: optimistic for TP > 1).
 
 KV capacity per GPU = HBM · memory_utilization − weights / tp − activation reserve, divided by
 the KV bytes of one token per GPU.
+
+LoRA adapters (never merged: the base matmuls run once for the batch) add, per step,
+``2 · Σ tokens · P_lora`` FLOPs (each token through its own adapter's A then B: a multiply-add
+per adapter parameter) and the bytes of every *distinct* adapter in the step (BGMV/SGMV read
+each adapter's A and B once) to the same roofline, so a few rank-16 adapters cost little and 32
+distinct ones at batch 32 cost their weights' bandwidth. ``P_lora = layers · r · Σ (in + out)``
+over the targeted projections. Loading an adapter costs ``bytes / host_to_device_bandwidth``
+from host memory into a GPU slot (between steps) and ``disk_latency_s + bytes /
+disk_bandwidth`` from disk into host memory.
 """
 from __future__ import annotations
 
@@ -47,6 +56,8 @@ class StepShape:
     attention_pairs: int = 0
     kv_tokens: int = 0
     num_seqs: int = 0
+    lora_token_params: float = 0.0  # Σ over sequences with an adapter: tokens · adapter params
+    lora_weight_bytes: float = 0.0  # bytes of the distinct adapters the step reads
 
     def add_prefill(self, new_tokens: int, computed_tokens: int, samples: bool) -> None:
         """A prefill chunk of ``new_tokens`` after ``computed_tokens`` (cached or earlier chunks)."""
@@ -64,6 +75,14 @@ class StepShape:
         self.attention_pairs += context_tokens
         self.kv_tokens += context_tokens
         self.num_seqs += 1
+
+    def add_lora(self, tokens: int, adapter_params: float) -> None:
+        """``tokens`` of one sequence also go through its adapter of ``adapter_params`` parameters."""
+        self.lora_token_params += tokens * adapter_params
+
+    def add_lora_weights(self, num_bytes: float) -> None:
+        """One distinct adapter of the step: its weights are read once."""
+        self.lora_weight_bytes += num_bytes
 
 
 @dataclass(slots=True)
@@ -83,6 +102,8 @@ class LatencyModel:
     compute_efficiency: float | None = None
     bandwidth_efficiency: float | None = None
     min_kv_fraction: float = 0.1
+    disk_bandwidth: float = 2e9  # bytes/s of reading an adapter's safetensors (NVMe, parsed)
+    disk_latency_s: float = 0.005  # opening and parsing the files
     _flops_per_s: float = field(init=False, default=0.0)
     _bytes_per_s: float = field(init=False, default=0.0)
 
@@ -135,11 +156,14 @@ class LatencyModel:
         m = self.model
         return (2.0 * m.matmul_params * shape.tokens
                 + 2.0 * m.vocab_size * m.hidden_size * shape.sampled
-                + 4.0 * m.num_layers * m.num_heads * m.head_dim * shape.attention_pairs)
+                + 4.0 * m.num_layers * m.num_heads * m.head_dim * shape.attention_pairs
+                + 2.0 * shape.lora_token_params)
 
     def bytes_moved(self, shape: StepShape) -> float:
-        """HBM bytes of one step: the weights once, plus the KV of every token it reads or writes."""
-        return self.model.weight_bytes + self.model.kv_bytes_per_token * shape.kv_tokens
+        """HBM bytes of one step: the weights once, plus the KV of every token it reads or writes,
+        plus each distinct LoRA adapter's weights once."""
+        return (self.model.weight_bytes + self.model.kv_bytes_per_token * shape.kv_tokens
+                + shape.lora_weight_bytes)
 
     def step_time(self, shape: StepShape) -> float:
         """Seconds one step takes; an empty step takes nothing."""
@@ -148,6 +172,18 @@ class LatencyModel:
         compute = self.flops(shape) / self._flops_per_s
         memory = self.bytes_moved(shape) / self._bytes_per_s
         return self.step_overhead_s + max(compute, memory)
+
+    def lora_bytes(self, adapter_params: float) -> float:
+        """Bytes of an adapter of ``adapter_params`` parameters in the model's weight dtype."""
+        return adapter_params * self.model.bytes_per_param
+
+    def lora_slot_load_time(self, adapter_params: float) -> float:
+        """Seconds to copy an adapter from host memory into a GPU slot (all ``tp`` GPUs at once)."""
+        return self.lora_bytes(adapter_params) / self.tp / self.gpu.host_to_device_bandwidth
+
+    def lora_disk_load_time(self, adapter_params: float) -> float:
+        """Seconds to read an adapter from disk into host memory."""
+        return self.disk_latency_s + self.lora_bytes(adapter_params) / self.disk_bandwidth
 
     def prefill_time(self, new_tokens: int, cached_tokens: int = 0) -> float:
         """Seconds to prefill ``new_tokens`` after ``cached_tokens`` in one step, alone."""

@@ -10,18 +10,25 @@ ignores EOS; ``max_tokens`` applies as usual), or, in the recorded-answer mode
 Sleeps are scheduled on a virtual clock: each step ends ``duration / time_scale`` after the
 previous step's end, not after "now", so per-step Python overhead and sleep overshoot do not
 accumulate while the engine is busy. After an idle gap the clock restarts from now.
+
+LoRA adapters are real PEFT directories read for their rank and targets only (no tensors); their
+cost comes from the latency model on the simulated model's shapes: the delta of every token with
+an adapter and each distinct adapter's weights in the step's roofline, a slot load (host -> GPU)
+added to the step that needs it, and a disk read slept (scaled) by whoever reads the adapter.
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 from worker.engine.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
+from worker.engine.lora.adapter import LoRAAdapter, read_peft_adapter
 from worker.engine.runner import RunnerOutput, ScheduledBatch, ScheduledSequence, TokenLogprob
 from worker.simulator.latency import LatencyModel, StepShape
-from worker.simulator.profiles import get_gpu, get_model
+from worker.simulator.profiles import SIM_MAX_NUM_BATCHED_TOKENS, SIM_MAX_NUM_SEQS, get_gpu, get_model
 from worker.simulator.recorded import RecordedAnswers
 from worker.engine.stats import prefill_work
 from worker.engine.tokenizer import BYTE_EOS_ID, ByteTokenizer
@@ -64,16 +71,34 @@ class SimulatedRunner:
         self.eos_token_id = eos_token_id
         self.clock = clock or VirtualClock(time_scale)
         self.steps = 0
+        self.lora_slots: dict[int, LoRAAdapter] = {}  # what the engine loaded into each slot
+
+    def lora_params(self, adapter: LoRAAdapter) -> int:
+        """The adapter's parameters on the simulated model (its rank and targets, the profile's shapes)."""
+        return self.latency.model.lora_params(adapter.rank, adapter.target_modules)
 
     def shape(self, batch: ScheduledBatch) -> StepShape:
-        """The latency model's view of a batch."""
+        """The latency model's view of a batch (after its LoRA slot loads)."""
         shape = StepShape()
+        active: set[int] = set()
         for s in batch.seqs:
             if s.is_prefill:
                 shape.add_prefill(s.num_scheduled_tokens, s.num_computed_tokens, s.samples)
             else:
                 shape.add_decode(s.context_len)
+            if s.lora_slot:
+                shape.add_lora(s.num_scheduled_tokens, self.lora_params(self.lora_slots[s.lora_slot]))
+                active.add(s.lora_slot)
+        for slot in active:
+            shape.add_lora_weights(self.latency.lora_bytes(self.lora_params(self.lora_slots[slot])))
         return shape
+
+    def read_lora(self, name: str, path: str, max_rank: int) -> LoRAAdapter:
+        """Read a PEFT adapter's metadata and sleep its modelled disk read (scaled)."""
+        adapter = read_peft_adapter(name, path, max_rank=max_rank)
+        self.clock.sleep(self.latency.lora_disk_load_time(self.lora_params(adapter)) / self.clock.time_scale)
+        adapter.weights = {}  # resident: the simulator needs no tensors
+        return adapter
 
     def token_for(self, output_index: int, ignore_eos: bool = False) -> int:
         """The deterministic token at output position ``output_index``.
@@ -97,10 +122,14 @@ class SimulatedRunner:
         whose sleep was skipped to catch up the virtual clock looks instantaneous (absurd
         speeds), one delayed by CPU contention looks slow.
         """
-        modelled = self.latency.step_time(self.shape(batch))
+        loads = 0.0
+        for slot, adapter in batch.lora_loads:
+            self.lora_slots[slot] = adapter
+            loads += self.latency.lora_slot_load_time(self.lora_params(adapter))
+        modelled = self.latency.step_time(self.shape(batch)) + loads
         self.clock.advance(modelled)
         self.steps += 1
-        out = RunnerOutput(step_s=modelled / self.clock.time_scale)
+        out = RunnerOutput(step_s=modelled / self.clock.time_scale, lora_load_s=loads / self.clock.time_scale)
         for s in batch.seqs:
             if not s.samples:
                 continue
@@ -166,9 +195,12 @@ def nominal_speed(latency: LatencyModel) -> tuple[float, float]:
 def build_simulated_engine(gpu: str, model: str, *, tp: int | None = None, time_scale: float = 1.0,
                            block_size: int = 16, num_kv_blocks: int | None = None,
                            kv_memory_bytes: int | None = None,
-                           max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+                           max_num_seqs: int = SIM_MAX_NUM_SEQS,
+                           max_num_batched_tokens: int = SIM_MAX_NUM_BATCHED_TOKENS,
                            max_model_len: int | None = None, output_len: int = 256,
-                           seed: int = 0, answers: RecordedAnswers | None = None
+                           seed: int = 0, answers: RecordedAnswers | None = None,
+                           enable_lora: bool = False, max_loras: int = 4, max_cpu_loras: int | None = None,
+                           max_lora_rank: int = 16, served_model_names: Iterable[str] = (),
                            ) -> tuple[LLMEngine, SimulatedRunner]:
     """An LLMEngine on a simulated ``model`` over ``tp`` x ``gpu`` (profile names).
 
@@ -176,6 +208,8 @@ def build_simulated_engine(gpu: str, model: str, *, tp: int | None = None, time_
     cache per GPU) overrides it. The engine reports
     the profile's nominal speed (scaled by ``time_scale``) until it has measured its own steps.
     With ``answers`` the outputs are those recorded answers (:class:`RecordedAnswerRunner`).
+    With ``enable_lora`` it serves adapters as the real engine does (slots, host tier), costed by
+    the latency model.
     """
     latency = LatencyModel(get_gpu(gpu), get_model(model), tp=tp)
     blocks = num_kv_blocks or latency.kv_capacity_blocks(block_size)
@@ -188,8 +222,12 @@ def build_simulated_engine(gpu: str, model: str, *, tp: int | None = None, time_
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len or latency.model.max_model_len, seed=seed,
         default_prefill_tokens_per_s=prefill_tps * time_scale,
-        default_decode_step_s=decode_s / time_scale)
+        default_decode_step_s=decode_s / time_scale, enable_lora=enable_lora, max_loras=max_loras,
+        max_cpu_loras=max_cpu_loras, max_lora_rank=max_lora_rank)
     tokenizer = ByteTokenizer()
     runner = (SimulatedRunner(latency, time_scale=time_scale, output_len=output_len) if answers is None else
               RecordedAnswerRunner(answers, latency, tokenizer, time_scale=time_scale, output_len=output_len))
-    return LLMEngine(config, runner=runner, tokenizer=tokenizer), runner
+    reader = functools.partial(runner.read_lora, max_rank=max_lora_rank)
+    engine = LLMEngine(config, runner=runner, tokenizer=tokenizer, lora_reader=reader,
+                       served_model_names=served_model_names)
+    return engine, runner

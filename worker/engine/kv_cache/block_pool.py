@@ -175,8 +175,10 @@ class BlockPool:
                     self.num_cached_free_blocks += 1
 
     # ---- prefix cache --------------------------------------------------------------------
-    def cache_blocks(self, blocks: list[KVCacheBlock], block_hashes: list[int]) -> None:
-        """Register in-use ``blocks`` (KV written) under ``block_hashes`` and emit BlockStored.
+    def cache_blocks(self, blocks: list[KVCacheBlock], block_hashes: list[int],
+                     lora_name: str | None = None) -> None:
+        """Register in-use ``blocks`` (KV written) under ``block_hashes`` and emit BlockStored
+        (naming the LoRA adapter that computed them, if any).
 
         A hash that already names another block leaves this block unregistered: two requests
         computed the same prefix concurrently, and one copy is enough.
@@ -193,7 +195,7 @@ class BlockPool:
             self.cached_block_hash_to_block[h] = block
             stored.append(h)
         if stored:
-            self._events.append(BlockStored(stored))
+            self._events.append(BlockStored(stored, lora_name))
 
     def _uncache(self, block: KVCacheBlock) -> None:
         assert block.block_hash is not None

@@ -7,9 +7,13 @@ from typing import Union
 
 @dataclass(slots=True)
 class BlockStored:
-    """These blocks' KV is now written and reusable (emitted after the step that computed it)."""
+    """These blocks' KV is now written and reusable (emitted after the step that computed it).
+
+    ``lora_name``: the LoRA adapter that computed them (vLLM's field; None: the base model).
+    """
 
     block_hashes: list[int] = field(default_factory=list)
+    lora_name: str | None = None
 
 
 @dataclass(slots=True)

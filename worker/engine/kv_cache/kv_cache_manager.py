@@ -42,6 +42,11 @@ class KVCacheRequest(Protocol):
         """Prompt plus generated tokens."""
         ...
 
+    @property
+    def lora_name(self) -> str | None:
+        """The LoRA adapter that computes the request's KV (named in ``BlockStored``); None: the base model."""
+        ...
+
     def hash_blocks(self, block_size: int, num_blocks: int) -> None:
         """Extend ``block_hashes`` towards ``num_blocks`` hashes (full blocks only).
 
@@ -137,7 +142,8 @@ class KVCacheManager:
             num_full = min(num_full, len(req.block_hashes))
             if num_full <= start:
                 return
-        self.block_pool.cache_blocks(req.blocks[start:num_full], req.block_hashes[start:num_full])
+        self.block_pool.cache_blocks(req.blocks[start:num_full], req.block_hashes[start:num_full],
+                                     req.lora_name)
         req.num_registered_blocks = num_full
 
     def free(self, req: KVCacheRequest) -> None:

@@ -11,6 +11,7 @@ separate tensors into these, and the saver splits them back.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,25 @@ from torch import nn
 
 from worker.engine.config import ModelConfig
 from worker.engine.model.attention_context import AttentionContext
+
+if TYPE_CHECKING:
+    from worker.engine.lora.weights import LoRAContext
+
+# The projections a LoRA adapter may target (Hugging Face / PEFT names) -> the fused projection
+# that computes them here and which of its slices (the loader maps checkpoints the same way).
+LORA_TARGETS: dict[str, tuple[str, int]] = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "o_proj": ("o_proj", 0), "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", 0),
+}
+
+
+def lora_target_offsets(config: ModelConfig) -> dict[str, int]:
+    """First output column of each target's slice in its fused projection's output."""
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    return {"q_proj": 0, "k_proj": q, "v_proj": q + kv, "o_proj": 0,
+            "gate_proj": 0, "up_proj": config.intermediate_size, "down_proj": 0}
 
 
 class RMSNorm(nn.Module):
@@ -83,8 +103,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class LlamaAttention(nn.Module):
     """GQA self-attention that writes its new K/V into the paged cache, then attends over it."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -95,9 +116,12 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
+                kv_cache: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext,
+                lora: "LoRAContext | None" = None) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj(x)
+        if lora is not None:
+            lora.apply(self.layer_idx, "qkv_proj", x, qkv)
         # q and k are adjacent columns of the fused projection: rotate them as one tensor of
         # num_heads + num_kv_heads heads (one set of RoPE ops per layer instead of two).
         qk = apply_rotary(qkv[:, :self.q_size + self.kv_size].view(n, -1, self.head_dim), *rope)
@@ -116,38 +140,50 @@ class LlamaAttention(nn.Module):
             parts.append(backend.extend(  # type: ignore[attr-defined]
                 q[d:], k_cache, v_cache, ctx.extend_block_tables, ctx.extend_query_start_loc,
                 ctx.extend_context_lens, self.scale, max_query_len=ctx.extend_max_query_len))
-        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-        return self.o_proj(out.reshape(n, self.q_size))
+        out = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)).reshape(n, self.q_size)
+        y = self.o_proj(out)
+        if lora is not None:
+            lora.apply(self.layer_idx, "o_proj", out, y)
+        return y
 
 
 class LlamaMLP(nn.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, lora: "LoRAContext | None" = None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if lora is not None:
+            lora.apply(self.layer_idx, "gate_up_proj", x, gate_up)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        h = F.silu(gate) * up
+        y = self.down_proj(h)
+        if lora is not None:
+            lora.apply(self.layer_idx, "down_proj", h, y)
+        return y
 
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention block then pre-norm MLP block, each with a residual."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, layer_idx)
+        self.mlp = LlamaMLP(config, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+                kv_cache: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext,
+                lora: "LoRAContext | None" = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, ctx, lora)
+        return x + self.mlp(self.post_attention_layernorm(x), lora)
 
 
 class LlamaModel(nn.Module):
@@ -156,7 +192,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -173,12 +209,17 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], ctx: AttentionContext) -> torch.Tensor:
-        """Hidden states ``[num_tokens, hidden]`` (before the final norm) of the flattened batch."""
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], ctx: AttentionContext,
+                lora: "LoRAContext | None" = None) -> torch.Tensor:
+        """Hidden states ``[num_tokens, hidden]`` (before the final norm) of the flattened batch.
+
+        With ``lora``, every projection an adapter of the step targets adds each token's own
+        adapter delta after the shared base matmul (worker/engine/lora/weights.py).
+        """
         x = self.model.embed_tokens(input_ids)
         rope = self.rotary_emb(positions)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, rope, kv_cache, ctx)
+            x = layer(x, rope, kv_cache, ctx, lora)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -15,16 +15,13 @@ from safetensors import safe_open
 
 from worker.engine.config import ModelConfig
 from worker.engine.errors import ModelLoadError
-from worker.engine.model.llama import LlamaForCausalLM
+from worker.engine.model.llama import LORA_TARGETS, LlamaForCausalLM
 from worker.engine.model.presets import PRESETS, build_preset, preset_config
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 # HF name piece -> (our fused name piece, which slice of the fused rows).
-_STACKED = {
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-}
+_STACKED = {hf: target for hf, target in LORA_TARGETS.items() if target[0] != hf}
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -15,11 +15,13 @@ from typing import Callable
 
 from aiohttp import web
 
-from protocol.hashing import namespace_seed
+from protocol.hashing import DEFAULT_CHUNK_SIZE, namespace_seed
 from protocol.messages import LoadReport, WorkerInfo
 from protocol.openai_api import RequestLimits
 from worker.engine.async_engine import AsyncLLMEngine
 from worker.engine.kv_cache.events import KVCacheEvent
+from worker.engine.errors import LoRAAdapterNotFoundError
+from worker.engine.lora.adapter import LoRAAdapter
 from worker.server.kv_events import KVEventMapper, request_chunks
 from worker.server.metrics import WorkerMetrics
 from worker.server.publisher import RedisPublisher
@@ -40,7 +42,7 @@ class WorkerContext:
     model_name: str
     worker_id: str
     url: str
-    chunk_size: int = 128
+    chunk_size: int = DEFAULT_CHUNK_SIZE
     limits: RequestLimits = field(default_factory=RequestLimits)
     simulated: bool = False
     info_extra: dict = field(default_factory=dict)  # shown by /get_server_info
@@ -74,6 +76,31 @@ class WorkerContext:
     def max_model_len(self) -> int:
         """Longest prompt + output this worker serves."""
         return min(self.engine.engine.max_model_len, self.engine.engine.capacity_tokens)
+
+    @property
+    def loras(self) -> list[LoRAAdapter]:
+        """The LoRA adapters served (current versions, by name)."""
+        return self.engine.engine.list_loras()
+
+    def find_lora(self, name: str) -> LoRAAdapter | None:
+        """The adapter served as ``name``, if any."""
+        registry = self.engine.engine.lora
+        if registry is None or name not in registry:
+            return None
+        try:
+            return registry.get(name)
+        except LoRAAdapterNotFoundError:  # unloaded since the check
+            return None
+
+    async def prefetch_lora(self, lora: LoRAAdapter) -> None:
+        """Bring ``lora``'s weights into host memory in a thread (no-op when resident)."""
+        registry = self.engine.engine.lora
+        if registry is not None and not registry.is_resident(lora):
+            await asyncio.get_running_loop().run_in_executor(None, registry.prefetch, lora)
+
+    def served_models(self) -> list[str]:
+        """The base model's name, then every adapter's."""
+        return [self.model_name] + [a.name for a in self.loras]
 
     def new_request_id(self, prefix: str) -> str:
         """A unique id like ``cmpl-<worker>-<n>``."""
@@ -149,21 +176,23 @@ class WorkerContext:
         """The shared router/engine namespace seed of a request."""
         return namespace_seed(model, adapter, cache_salt)
 
-    def track_prompt(self, rendered: bytes, prompt_token_ids: list[int], namespace: int) -> None:
-        """Attach the request's router chunks to its prompt blocks (only when publishing)."""
+    def track_prompt(self, rendered: bytes, prompt_token_ids: list[int], namespace: int,
+                     block_namespace: int | None = None, lora_name: str | None = None) -> None:
+        """Attach the request's router chunks (``namespace``) to its prompt blocks (the engine's
+        ``block_namespace``), only when publishing."""
         if self.publisher is None:
             return
         rc = request_chunks(rendered, prompt_token_ids, namespace, self.chunk_size,
-                            self.engine.engine.config.block_size)
+                            self.engine.engine.config.block_size, block_namespace, lora_name)
         for event in self.mapper.register(rc):
-            self.publisher.publish(event.kind, event.hashes)
+            self.publisher.publish(event.kind, event.hashes, event.lora_name)
 
     def on_kv_events(self, events: list[KVCacheEvent]) -> None:
         """Engine listener (on the event loop): translate and queue for Redis."""
         if self.publisher is None:
             return
         for event in self.mapper.translate(events):
-            self.publisher.publish(event.kind, event.hashes)
+            self.publisher.publish(event.kind, event.hashes, event.lora_name)
 
 
 CTX: web.AppKey[WorkerContext] = web.AppKey("ctx", WorkerContext)

@@ -1,7 +1,8 @@
 """The worker's own exceptions in OpenAI's shape, and its error middleware (which names the worker).
 
 The mapping and the middleware are ``protocol/http_errors.py``'s, shared with the router; this
-module adds what only the worker raises: engine refusals (400), a dead engine loop (503), a
+module adds what only the worker raises: engine refusals (400), LoRA adapters (not found 404;
+invalid, conflicting or disabled 400; unreadable since loading 503), a dead engine loop (503), a
 failed engine step (500, logged), and a client that left while its request was read (400).
 """
 from __future__ import annotations
@@ -9,8 +10,10 @@ from __future__ import annotations
 from typing import Callable
 
 from protocol import http_errors
-from protocol.openai_api import INVALID_REQUEST, SERVER_ERROR, SERVICE_UNAVAILABLE, OpenAIError
-from worker.engine.errors import EngineDeadError, EngineStepError, InvalidRequestError
+from protocol.openai_api import INVALID_REQUEST, NOT_FOUND, SERVER_ERROR, SERVICE_UNAVAILABLE, OpenAIError
+from worker.engine.errors import (EngineDeadError, EngineStepError, InvalidLoRAAdapterError, InvalidRequestError,
+                                  LoRAAdapterConflictError, LoRAAdapterNotFoundError, LoRADisabledError,
+                                  LoRAUnavailableError)
 
 WORKER_HEADER = "X-Prefixlb-Worker-Id"
 
@@ -19,6 +22,9 @@ def engine_error(exc: Exception) -> OpenAIError | None:
     """The OpenAI error for an exception only the worker raises; None for any other."""
     if isinstance(exc, InvalidRequestError):
         return OpenAIError(400, str(exc), INVALID_REQUEST)
+    for kind, status, type_, code in _LORA_ERRORS:
+        if isinstance(exc, kind):
+            return OpenAIError(status, str(exc), type_, code=code)
     if isinstance(exc, EngineDeadError):
         return OpenAIError(503, "The engine has stopped; this worker cannot serve", SERVICE_UNAVAILABLE,
                            code="engine_dead")
@@ -30,6 +36,15 @@ def engine_error(exc: Exception) -> OpenAIError | None:
         # while it was stopped): nobody will read the answer, and it is not a server error.
         return OpenAIError(400, "The client closed the connection", INVALID_REQUEST, code="client_disconnected")
     return None
+
+
+_LORA_ERRORS = (
+    (LoRAAdapterNotFoundError, 404, NOT_FOUND, "lora_adapter_not_found"),
+    (InvalidLoRAAdapterError, 400, INVALID_REQUEST, "invalid_lora_adapter"),
+    (LoRAAdapterConflictError, 400, INVALID_REQUEST, "lora_adapter_conflict"),
+    (LoRADisabledError, 400, INVALID_REQUEST, "lora_disabled"),
+    (LoRAUnavailableError, 503, SERVICE_UNAVAILABLE, "lora_adapter_unavailable"),
+)
 
 
 def map_exception(exc: Exception) -> OpenAIError:

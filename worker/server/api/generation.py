@@ -1,7 +1,7 @@
 """From a validated OpenAI request to engine requests, and from engine outputs back.
 
-:func:`prepare` checks what only the worker can check (served model, context length,
-vocabulary, text-only content), tokenizes, and builds one SamplingParams per choice.
+:func:`prepare` checks what only the worker can check (served model or LoRA adapter, context
+length, vocabulary, text-only content), tokenizes, and builds one SamplingParams per choice.
 :func:`run_choices` runs the ``n`` choices as engine requests and yields their outputs as
 they come; closing it aborts whatever still runs, so a client that goes away frees its
 KV blocks at once.
@@ -14,11 +14,14 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+from protocol.hashing import namespace_seed
 from protocol.openai_api import (ChatCompletionRequest, CompletionRequest, bad_request,
                                  model_not_found)
 from protocol.render import RenderError, render_request
 from worker.server.api.context import WorkerContext
 from worker.engine.errors import InvalidRequestError
+from worker.engine.kv_cache.hashing import adapter_namespace
+from worker.engine.lora.adapter import LoRAAdapter
 from worker.engine.outputs import RequestOutput
 from worker.engine.sampling_params import SamplingParams
 
@@ -27,13 +30,25 @@ SEED_MASK = (1 << 63) - 1
 
 @dataclass(slots=True)
 class PreparedRequest:
-    """Everything the engine needs for one OpenAI request."""
+    """Everything the engine needs for one OpenAI request.
+
+    ``namespace`` seeds the router's chunk chain (the request's model, ``lora_adapter`` and
+    ``cache_salt``, as the router computes it); ``engine_namespace`` is what the engine's block
+    chain starts from (the base model's namespace; the engine mixes ``lora``'s identity in).
+    """
 
     request: CompletionRequest | ChatCompletionRequest
     prompt_token_ids: list[int]
     params: list[SamplingParams]
     namespace: int
     rendered: bytes
+    lora: LoRAAdapter | None = None
+    engine_namespace: int = 0
+
+    @property
+    def block_namespace(self) -> int:
+        """The seed of the engine's block hashes of this request."""
+        return adapter_namespace(self.engine_namespace, self.lora.identity if self.lora else None)
 
 
 def _chat_text(ctx: WorkerContext, req: ChatCompletionRequest) -> str:
@@ -64,13 +79,27 @@ def prompt_token_ids(ctx: WorkerContext, req: CompletionRequest | ChatCompletion
     return list(req.prompt)
 
 
+def resolve_lora(ctx: WorkerContext, req: CompletionRequest | ChatCompletionRequest) -> LoRAAdapter | None:
+    """The adapter ``req`` runs with: ``"model": NAME`` (vLLM's convention) or ``lora_adapter``
+    with the base model; None for the base model. 404 / 400 otherwise."""
+    lora = None
+    if req.model != ctx.model_name:
+        lora = ctx.find_lora(req.model)
+        if lora is None:
+            raise model_not_found(req.model, ctx.served_models())
+    if req.lora_adapter:
+        named = ctx.find_lora(req.lora_adapter)
+        if named is None or (lora is not None and named is not lora):
+            served = ", ".join(a.name for a in ctx.loras) or "none"
+            raise bad_request(f"LoRA adapter {req.lora_adapter!r} is not loaded on this worker "
+                              f"(loaded: {served})", "lora_adapter", "adapter_not_found")
+        lora = named
+    return lora
+
+
 def prepare(ctx: WorkerContext, req: CompletionRequest | ChatCompletionRequest) -> PreparedRequest:
     """Validate against this worker and build the engine's view of ``req`` (or raise 4xx)."""
-    if req.model != ctx.model_name:
-        raise model_not_found(req.model, [ctx.model_name])
-    if req.lora_adapter:
-        raise bad_request(f"LoRA adapter {req.lora_adapter!r} is not loaded on this worker",
-                          "lora_adapter", "adapter_not_found")
+    lora = resolve_lora(ctx, req)
     try:
         rendered = render_request(req.body, req.chat)
     except RenderError as exc:
@@ -103,14 +132,16 @@ def prepare(ctx: WorkerContext, req: CompletionRequest | ChatCompletionRequest) 
         except InvalidRequestError as exc:
             raise bad_request(str(exc)) from None
     namespace = ctx.namespace(req.model, req.lora_adapter, req.cache_salt)
-    return PreparedRequest(req, ids, params, namespace, rendered)
+    engine_namespace = namespace_seed(ctx.model_name, None, req.cache_salt) if lora is not None else namespace
+    return PreparedRequest(req, ids, params, namespace, rendered, lora, engine_namespace)
 
 
 async def _one(ctx: WorkerContext, rid: str, prep: PreparedRequest, index: int,
                queue: asyncio.Queue) -> None:
     try:
         async with contextlib.aclosing(ctx.engine.generate(
-                rid, prep.prompt_token_ids, prep.params[index], namespace=prep.namespace)) as outs:
+                rid, prep.prompt_token_ids, prep.params[index], namespace=prep.engine_namespace,
+                lora=prep.lora)) as outs:
             async for out in outs:
                 queue.put_nowait((index, out))
     except Exception as exc:  # delivered to the consumer, which maps it at the HTTP edge
@@ -121,13 +152,18 @@ async def run_choices(ctx: WorkerContext, request_id: str, prep: PreparedRequest
                       ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Yield ``(choice index, output)`` until every choice has finished.
 
-    Engine errors are raised to the caller; closing the iterator early aborts every choice.
+    Engine errors are raised to the caller; closing the iterator early aborts every choice. A
+    LoRA adapter whose weights left host memory is read back here, off the engine thread.
     """
-    ctx.track_prompt(prep.rendered, prep.prompt_token_ids, prep.namespace)
+    if prep.lora is not None:
+        await ctx.prefetch_lora(prep.lora)
+    ctx.track_prompt(prep.rendered, prep.prompt_token_ids, prep.namespace, prep.block_namespace,
+                     prep.lora.name if prep.lora else None)
     n = len(prep.params)
     if n == 1:
         async with contextlib.aclosing(ctx.engine.generate(
-                request_id, prep.prompt_token_ids, prep.params[0], namespace=prep.namespace)) as outs:
+                request_id, prep.prompt_token_ids, prep.params[0], namespace=prep.engine_namespace,
+                lora=prep.lora)) as outs:
             async for out in outs:
                 observe(ctx, out, prep)
                 yield 0, out

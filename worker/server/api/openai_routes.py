@@ -42,7 +42,7 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     body = await read_json(request, ctx.limits, ctx.body_timeout)
     req = parse_chat_request(body, ctx.limits) if chat else parse_completion_request(body, ctx.limits)
     prep = prepare(ctx, req)
-    meta = ResponseMeta(ctx.new_request_id("chatcmpl" if chat else "cmpl"), ctx.model_name,
+    meta = ResponseMeta(ctx.new_request_id("chatcmpl" if chat else "cmpl"), req.model,
                         ctx.worker_id, chat)
     ctx.request_started()
     try:
@@ -140,8 +140,11 @@ async def _stream(request: web.Request, ctx: WorkerContext, prep: PreparedReques
 
 
 async def models(request: web.Request) -> web.Response:
-    """The served model."""
+    """The served model, then every LoRA adapter with ``parent`` = the base model (vLLM's shape)."""
     ctx = request.app[CTX]
-    return web.json_response({"object": "list", "data": [{
-        "id": ctx.model_name, "object": "model", "created": int(ctx.started_at), "owned_by": "prefixlb",
-        "root": ctx.model_name, "parent": None, "max_model_len": ctx.max_model_len}]})
+    created = int(ctx.started_at)
+    data = [{"id": ctx.model_name, "object": "model", "created": created, "owned_by": "prefixlb",
+             "root": ctx.model_name, "parent": None, "max_model_len": ctx.max_model_len}]
+    data += [{"id": a.name, "object": "model", "created": created, "owned_by": "prefixlb", "root": a.path,
+              "parent": ctx.model_name, "max_model_len": ctx.max_model_len} for a in ctx.loras]
+    return web.json_response({"object": "list", "data": data})

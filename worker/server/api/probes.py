@@ -16,10 +16,10 @@ from dataclasses import asdict
 from aiohttp import web
 
 from protocol.openai_api import (SERVICE_UNAVAILABLE, ChatCompletionRequest, OpenAIError, bad_request,
-                                 error_body, model_not_found, parse_chat_request, parse_completion_request)
+                                 error_body, parse_chat_request, parse_completion_request)
 from worker.server.api.body import read_json
 from worker.server.api.context import CTX, WorkerContext
-from worker.server.api.generation import prepare, prompt_token_ids
+from worker.server.api.generation import prepare, prompt_token_ids, resolve_lora
 from worker.server.metrics import CONTENT_TYPE
 from worker.engine.sampling_params import SamplingParams
 
@@ -116,8 +116,7 @@ async def tokenize(request: web.Request) -> web.Response:
     if not isinstance(add_special, bool):
         raise bad_request("'add_special_tokens' must be a boolean", "add_special_tokens")
     req = parse_chat_request(body, ctx.limits) if "messages" in body else parse_completion_request(body, ctx.limits)
-    if req.model != ctx.model_name:
-        raise model_not_found(req.model, [ctx.model_name])
+    resolve_lora(ctx, req)  # the base model or a loaded adapter (same tokenizer)
     if isinstance(req, ChatCompletionRequest):
         ids = prompt_token_ids(ctx, req)
     elif isinstance(req.prompt, list):
@@ -143,7 +142,7 @@ async def detokenize(request: web.Request) -> web.Response:
 def _rendered(ctx: WorkerContext, body: dict, chat: bool) -> dict:
     req = parse_chat_request(body, ctx.limits) if chat else parse_completion_request(body, ctx.limits)
     prep = prepare(ctx, req)
-    return {"request_id": ctx.new_request_id("chatcmpl" if chat else "cmpl"), "model": ctx.model_name,
+    return {"request_id": ctx.new_request_id("chatcmpl" if chat else "cmpl"), "model": req.model,
             "token_ids": prep.prompt_token_ids, "sampling_params": asdict(prep.params[0])}
 
 

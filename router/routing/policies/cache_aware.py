@@ -1,0 +1,118 @@
+"""``cache_aware``: the least predicted time to first token, minus a locality bonus (the default).
+
+The cost of each candidate is the cost model of ``router/routing/policy.py``: its pending work,
+its fair-share wait, and this prompt's prefill there, less the locality bonus its cache earns at
+affinity ``a``. The candidates are the Balancer's candidate set (the longest prefix matches, the
+key's ring successors, the least-loaded workers: :meth:`Balancer.candidate_set`).
+
+Near-ties -- candidates within ``tie_tolerance`` (relative) + ``tie_floor_s`` of the best cost --
+go to the earliest of them on the request key's ring (its session key, or its first chunks),
+so two routers that see the same costs place a new prefix on the same worker, and a hot prefix
+spills to the next worker on its ring rather than to an arbitrary one.
+
+Reasons: ``prefix`` (it went where its prefix is cached), ``spill`` (a worker holds a prefix but
+another was cheaper), ``ring`` / ``session`` (nothing cached: the key's ring placed it),
+``least_load`` (nothing cached, off the ring, or ``a = 0``).
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, AbstractSet, Mapping, Sequence
+
+from router.routing.policies.base import Policy, decision_for, register, under_limit
+from router.routing.policy import (NOT_ON_RING, Candidate, Decision, PolicyConfig, RouteRequest,
+                                   fair_share_wait_s, hash_load_bound, locality_weight, prefill_seconds)
+
+if TYPE_CHECKING:
+    from router.routing.balancer import Balancer
+    from router.routing.prompt import PromptKey
+
+
+@register
+class CacheAware(Policy):
+    """Minimise predicted TTFT minus the locality bonus; near-ties go to the key's ring."""
+
+    name = "cache_aware"
+    order = 0
+    uses_affinity = True
+
+    def candidates(self, view: Balancer, request: RouteRequest, prompt: PromptKey, matches: Mapping[str, int],
+                   now: float, exclude: AbstractSet[str], config: PolicyConfig) -> list[Candidate]:
+        """The Balancer's candidate set; sets the fleet's fair share as ``request.load_bound``."""
+        # The fair share of requests in flight: bounded-load consistent hashing's bound, taken
+        # as if every worker held at least one request -- at light load a worker holding
+        # one more request than the others is not overloaded.
+        workers = len(view.ring)
+        request.load_bound = hash_load_bound(max(view.board.total_in_system, workers - 1), workers,
+                                             config.hash_load_factor)
+        return view.candidate_set(prompt, matches, request.prompt_tokens, now, exclude, config)
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate], config: PolicyConfig) -> Decision:
+        """The candidate of least cost (see the module docstring); near-ties by ring order."""
+        usable = under_limit(candidates)
+        affinity = config.affinity if request.affinity is None else request.affinity
+        weight = locality_weight(affinity)
+        shared_weight = min(weight, 1.0)
+        knee = config.attention_knee_tokens
+        prompt = max(1, request.prompt_tokens)
+        bound = request.load_bound
+        # Only a unique longest match holds a part of the prompt that no other candidate could serve
+        # from its cache: that exclusive part is what locality weights beyond its physical value. The
+        # part others hold too is valued at most as the TTFT it saves, so a popular prefix (a shared
+        # system prompt) replicates as soon as its holders queue up.
+        matched = [c.cached_tokens if c.cached_tokens < prompt else prompt - 1 for c in usable]
+        first = max(matched)
+        owner = -1
+        second = 0
+        if first > 0 and matched.count(first) == 1:
+            owner = matched.index(first)
+            second = max((m for i, m in enumerate(matched) if i != owner), default=0)
+        follow_cache = weight == math.inf and owner >= 0
+        costs: list[tuple[str, float]] = []
+        pool: list[tuple[float, float, Candidate]] = []  # (cost, full prefill, candidate)
+        best_cost = math.inf
+        best_full = 0.0
+        for i, c in enumerate(usable):
+            rate = c.tokens_per_s
+            full = prefill_seconds(prompt, 0, rate, knee)
+            cached = matched[i]
+            actual = prefill_seconds(prompt - cached, cached, rate, knee) if cached > 0 else full
+            cost = c.pending_s + fair_share_wait_s(c.in_system, c.service_s, bound)
+            if i != owner:
+                cost += full - shared_weight * (full - actual)
+            elif follow_cache:
+                cost += actual
+            else:
+                common = prefill_seconds(prompt - second, second, rate, knee) if second > 0 else full
+                cost += full - shared_weight * (full - common) - weight * (common - actual)
+            costs.append((c.worker_id, cost))
+            if follow_cache and i != owner:
+                continue  # following the cache: only its one exclusive holder competes
+            pool.append((cost, full, c))
+            if cost < best_cost:
+                best_cost, best_full = cost, full
+        tolerance = config.tie_floor_s + config.tie_tolerance * max(abs(best_cost), best_full)
+        limit = best_cost + tolerance
+        chosen: Candidate | None = None
+        chosen_cost = 0.0
+        near = 0
+        for cost, _, c in pool:
+            if cost > limit:
+                continue
+            near += 1
+            # Earliest on the key's ring first; off the ring, the lowest cost, then the worker id.
+            if chosen is None or (c.ring_rank, cost if c.ring_rank == NOT_ON_RING else 0.0, c.worker_id) < (
+                    chosen.ring_rank, chosen_cost if chosen.ring_rank == NOT_ON_RING else 0.0, chosen.worker_id):
+                chosen, chosen_cost = c, cost
+        assert chosen is not None
+        # The ring decided if it broke a tie, or if the request simply went to the key's owner.
+        by_ring = chosen.ring_rank != NOT_ON_RING and (near > 1 or chosen.ring_rank == 0)
+        if weight > 0 and chosen.cached_tokens > 0:
+            reason = "prefix"
+        elif weight > 0 and any(c.cached_tokens > 0 for c in candidates):
+            reason = "spill"
+        elif by_ring:
+            reason = "session" if request.session else "ring"
+        else:
+            reason = "least_load"
+        return decision_for(request, chosen, reason, chosen_cost, tuple(costs))
