@@ -30,7 +30,7 @@ import heapq
 from worker.simulator.latency import LatencyModel, StepShape
 
 from bench.sim.decode_run import observe_decode_run
-from bench.sim.worker import SimRequest, SimWorker, cdiv
+from bench.sim.worker import SimRequest, SimWorker, is_decode
 
 
 class AggregateWorker(SimWorker):
@@ -76,7 +76,7 @@ class AggregateWorker(SimWorker):
     def _sync(self, req: SimRequest) -> None:
         """Write a decoding request's true counters into it."""
         req.num_output = self._tick + req.tick0
-        req.num_computed = req.num_prompt + req.num_output - 1
+        req.num_computed_tokens = req.num_prompt + req.num_output - 1
 
     def _leave(self, req: SimRequest) -> None:
         """``req`` stops decoding (finished or preempted); its counters are made true first."""
@@ -174,43 +174,37 @@ class AggregateWorker(SimWorker):
         i = decodes
         while not stopped and i < len(running) and budget > 0:
             req = running[i]
-            n = min(req.num_tokens - req.num_computed, budget)
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
             ok, evicted = self._allocate_or_preempt(req, n)
             preempted |= evicted
             if not ok:
                 break
             scheduled.append((req, n))
-            shape.add_prefill(n, req.num_computed, samples=req.num_computed + n == req.num_tokens)
+            if is_decode(req, n):  # a recompute down to its last token: the engine calls it a decode
+                decodes += 1
+                decode_ctx += req.num_tokens
+            else:
+                shape.add_prefill(n, req.num_computed_tokens, samples=req.num_computed_tokens + n == req.num_tokens)
             budget -= n
             i += 1
         if not preempted:
-            self._admit(scheduled, shape, budget)
+            admitted_decodes, admitted_ctx = self._admit(scheduled, shape, budget)
+            decodes += admitted_decodes
+            decode_ctx += admitted_ctx
         self._add_decodes(shape, decodes, decode_ctx)
         return scheduled, shape
 
     def _apply_step(self, now: float) -> None:
         self._tick += 1  # every decoding request got its token
         done = self._pop_finished()
-        decodes = self._decodes
-        pool, unit = self.pool, self.unit
-        for req, n in self._batch:  # prefill chunks only
-            req.prefill_left -= n
-            self.queued_prefill_tokens -= n
-            req.num_computed += n
-            if req.prefill_left == 0:
-                req.num_output += 1
+        decodes = self._ndec  # the decoding prefix, as scheduled: one token each
+        for req, n in self._batch:  # the other chunks
+            if self._apply_prefill(req, n, now):
                 decodes += 1
-                if req.first_token_at is None:
-                    req.first_token_at = now
-                    self.first_tokens.append(req)
                 if req.num_output >= req.max_tokens:
                     done.append(req)
                 else:
                     self._join(req)
-            num_full = min(req.num_computed // unit, len(req.blocks), len(req.hashes))
-            if num_full > req.num_registered:
-                pool.cache_blocks(req.blocks[req.num_registered:num_full], req.hashes[req.num_registered:num_full])
-                req.num_registered = num_full
         self.running_tokens += decodes
         self._finish(done, now)
 
@@ -234,4 +228,4 @@ def make_worker(worker_id: str, latency: LatencyModel, num_blocks: int, unit: in
                decode_runs=decode_runs)
 
 
-__all__ = ["AggregateWorker", "cdiv", "make_worker"]
+__all__ = ["AggregateWorker", "make_worker"]

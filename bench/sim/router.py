@@ -69,8 +69,8 @@ class SimRouter:
         """The routing view of a simulated request (its text is never built)."""
         num_bytes = req.num_prompt - 1 if req.num_prompt > 1 else req.num_prompt
         data = req.index.to_bytes(8, "little")  # stands in for a prompt shorter than one unit
-        key = ring_key_of(data, req.hashes, 0, max(1, -(-self.cfg.ring_key_bytes // self.unit)), req.session)
-        return PromptKey(SIM_MODEL, num_bytes, req.hashes, key, req.session)
+        key = ring_key_of(data, req.block_hashes, 0, max(1, -(-self.cfg.ring_key_bytes // self.unit)), req.session)
+        return PromptKey(SIM_MODEL, num_bytes, req.block_hashes, key, req.session)
 
     def route(self, req: SimRequest, now: float) -> Decision:
         """Choose a worker for ``req`` and book it (raises ``NoCapacity`` like the router)."""

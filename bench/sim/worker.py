@@ -3,21 +3,27 @@
 Fidelity to the engine (``worker/engine/scheduler.py``, ``worker/engine/kv_cache/``):
 
 - the prefix cache *is* the engine's :class:`~worker.engine.kv_cache.BlockPool` (ref counts, LRU free
-  queue, hash map, KV events), driven with the engine's rules: the longest run of cached
-  leading blocks is reused but never the block holding the last token, blocks are registered
-  after the step that wrote them, a finished request frees its blocks tail first;
+  queue, hash map, KV events), driven by the engine's own rules, the
+  :class:`~worker.engine.kv_cache.KVCacheManager`: the longest run of cached leading blocks is
+  reused but never the block holding the last token, blocks are registered after the step that
+  wrote them, a finished request frees its blocks tail first (:class:`SimRequest` is a
+  :class:`~worker.engine.kv_cache.kv_cache_manager.KVCacheRequest`);
 - the scheduler follows the engine's: each step has a token budget; running requests first in
   admission order (a decode takes 1 token, a partial prefill its next chunk), preempting the
   most recently admitted one by recompute when blocks run out; then strict-FCFS admission of
   waiting requests while budget, ``max_num_seqs`` and blocks allow; prefill and decode share
-  steps; a step's duration is the latency model's :meth:`step_time`.
+  steps, labelled as the engine labels them (:func:`is_decode`); a step's duration is the
+  latency model's :meth:`step_time`;
+- ``tests/unit/test_sim_engine_parity.py`` runs the engine's own ``Scheduler`` and this worker on
+  one workload and checks they schedule the same steps.
 
 Differences, for speed (1,000 workers × 1,000,000 requests is the target):
 
 - blocks are ``unit`` tokens, not 16: a workload's prefixes are shared in whole units (Mooncake:
   512-token blocks), so the cached-token counts are the engine's up to the last partial unit;
 - prompt blocks only carry hashes (the engine also registers full blocks of generated tokens,
-  which no later prompt of our workloads can match; here they are freed as plain blocks);
+  which no later prompt of our workloads can match; here they are freed as plain blocks:
+  :meth:`SimRequest.hash_blocks` adds none);
 - runs of decode-only steps between events are summed in closed form (:mod:`bench.sim.decode_run`)
   instead of stepping one by one: the batch is fixed until a request finishes, needs a new block
   or a new request arrives, and the roofline time of each step is affine in its index.
@@ -26,7 +32,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from worker.engine.kv_cache import BlockRemoved, BlockStored
+from worker.engine.kv_cache import BlockRemoved, BlockStored, KVCacheManager
+from worker.engine.kv_cache.kv_cache_manager import cdiv
 from worker.engine.stats import ATTENTION_KNEE_TOKENS, engine_speed_meter
 from worker.simulator.latency import LatencyModel, StepShape
 from worker.simulator.runner import nominal_speed
@@ -35,33 +42,48 @@ from bench.sim.decode_run import decode_run_time, decode_steps_done_by, observe_
 from bench.sim.lazy_pool import LazyBlockPool
 
 
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division."""
-    return -(-a // b)
+def is_decode(req: "SimRequest", n: int) -> bool:
+    """Whether the engine labels ``n`` scheduled tokens of ``req`` a decode (``worker.engine.scheduler``).
+
+    They are when they are the request's last token alone and its first token is out: a decoding
+    request, or a preempted one whose recompute is down to its last token (cache hits or chunks
+    computed the rest). A prompt's last token alone is still prefill: the first token comes out of
+    it. The label is what the speed meter counts (prefill tokens vs decoding sequences); the step's
+    shape, hence its time, is the same either way.
+    """
+    return n == 1 and req.prefill_left <= 1 and req.num_output > 0
 
 
 class SimRequest:
-    """One request's progress inside a simulated worker (times in virtual seconds)."""
+    """One request's progress inside a simulated worker (times in virtual seconds).
 
-    __slots__ = ("index", "arrival", "hashes", "num_prompt", "max_tokens", "session", "num_computed",
-                 "num_output", "cached_tokens", "first_token_at", "finished_at", "blocks",
-                 "num_registered", "worker_id", "error", "prefill_left", "tick0", "dseq")
+    ``block_hashes`` are the hashes of the prompt's full units, precomputed by the workload (the
+    router reads them as its chunk hashes: a unit is a chunk). The KV-cache fields (``blocks``,
+    ``num_computed_tokens``, ``num_registered_blocks``) are the engine's
+    :class:`~worker.engine.sequence.Sequence`'s, so the engine's KV-cache rules run on it.
+    """
 
-    def __init__(self, index: int, arrival: float, hashes: list[int], num_prompt: int, max_tokens: int,
+    lora_name = None  # the base model: the fleet simulator runs no LoRA adapters
+
+    __slots__ = ("index", "arrival", "block_hashes", "num_prompt", "max_tokens", "session",
+                 "num_computed_tokens", "num_output", "cached_tokens", "first_token_at", "finished_at",
+                 "blocks", "num_registered_blocks", "worker_id", "error", "prefill_left", "tick0", "dseq")
+
+    def __init__(self, index: int, arrival: float, block_hashes: list[int], num_prompt: int, max_tokens: int,
                  session: str | None = None) -> None:
         self.index = index
         self.arrival = arrival
-        self.hashes = hashes
+        self.block_hashes = block_hashes
         self.num_prompt = num_prompt
         self.max_tokens = max_tokens
         self.session = session
-        self.num_computed = 0
+        self.num_computed_tokens = 0
         self.num_output = 0
         self.cached_tokens = -1
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
         self.blocks: list = []
-        self.num_registered = 0
+        self.num_registered_blocks = 0
         self.worker_id: str | None = None
         self.error: str | None = None
         self.prefill_left = 0  # tokens still to prefill (0 once decoding)
@@ -73,6 +95,9 @@ class SimRequest:
     def num_tokens(self) -> int:
         """Prompt plus generated tokens."""
         return self.num_prompt + self.num_output
+
+    def hash_blocks(self, block_size: int, num_blocks: int) -> None:
+        """Nothing to add: the prompt's units are hashed up front and generated tokens never are."""
 
 
 class SimWorker:
@@ -92,7 +117,9 @@ class SimWorker:
         self.unit = unit
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.pool = LazyBlockPool(num_blocks, enable_caching)  # the engine's BlockPool, blocks made on first use
+        # The engine's KV-cache rules on the engine's BlockPool (its blocks made on first use).
+        self.kv = KVCacheManager(num_blocks, unit, enable_caching, pool_class=LazyBlockPool)
+        self.pool = self.kv.block_pool
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.version = 0
@@ -135,7 +162,7 @@ class SimWorker:
     def add(self, req: SimRequest, now: float) -> float | None:
         """Queue ``req`` at ``now``; returns the time of this worker's next event."""
         req.worker_id = self.worker_id
-        req.prefill_left = req.num_tokens - req.num_computed
+        req.prefill_left = req.num_tokens - req.num_computed_tokens
         self.waiting.append(req)
         self.queued_prefill_tokens += req.prefill_left
         if self._end is None:
@@ -164,7 +191,7 @@ class SimWorker:
             done = []
             for req in self._batch:
                 req.num_output += k
-                req.num_computed += k
+                req.num_computed_tokens += k
                 if req.num_output >= req.max_tokens:
                     done.append(req)
             self.running_tokens += k * len(self._batch)
@@ -246,11 +273,9 @@ class SimWorker:
         if len(self.running) >= self.max_num_seqs:
             return False
         req = self.waiting[0]
-        hits, hit_tokens = self._cached_prefix(req)
+        hits, hit_tokens = self.kv.get_computed_blocks(req)
         n = min(req.num_tokens - hit_tokens, max(1, self.max_num_batched_tokens - len(self.running)))
-        needed = cdiv(hit_tokens + n, self.unit) - len(hits)
-        evictable = sum(1 for blk in hits if blk.ref_cnt == 0)
-        return max(needed, 0) + evictable <= self.pool.get_num_free_blocks()
+        return self.kv.can_allocate(req, n, hits)
 
     def _run_time(self, c0: float, c1: float, m0: float, m1: float, k: int) -> float:
         return decode_run_time(self._oh, c0, c1, m0, m1, k)
@@ -258,44 +283,11 @@ class SimWorker:
     def _steps_done_by(self, elapsed: float, c0: float, c1: float, m0: float, m1: float, k: int) -> int:
         return decode_steps_done_by(elapsed, self._oh, c0, c1, m0, m1, k)
 
-    def _cached_prefix(self, req: SimRequest) -> tuple[list, int]:
-        pool = self.pool
-        if not pool.enable_caching:
-            return [], 0
-        max_blocks = min((req.num_tokens - 1) // self.unit, len(req.hashes))
-        lookup = pool.cached_block_hash_to_block
-        hits = []
-        for h in req.hashes[:max_blocks]:
-            blk = lookup.get(h)
-            if blk is None:
-                break
-            hits.append(blk)
-        return hits, len(hits) * self.unit
-
-    def _allocate(self, req: SimRequest, n: int, hits: list | None = None) -> bool:
-        hits = hits or []
-        needed = cdiv(req.num_computed + len(hits) * self.unit + n, self.unit) - len(req.blocks) - len(hits)
-        evictable = sum(1 for blk in hits if blk.ref_cnt == 0)
-        if max(needed, 0) + evictable > self.pool.get_num_free_blocks():
-            return False
-        if hits:
-            self.pool.touch(hits)
-            req.blocks.extend(hits)
-            req.num_registered = len(req.blocks)
-        if needed > 0:
-            req.blocks.extend(self.pool.get_new_blocks(needed))
-        return True
-
-    def _free(self, req: SimRequest) -> None:
-        self.pool.free_blocks(reversed(req.blocks))
-        req.blocks = []
-        req.num_registered = 0
-
     def _preempt(self, req: SimRequest) -> None:
         self.running.remove(req)
         self.running_tokens -= req.num_tokens
-        self._free(req)
-        req.num_computed = 0
+        self.kv.free(req)
+        req.num_computed_tokens = 0
         self.queued_prefill_tokens += req.num_tokens - req.prefill_left
         req.prefill_left = req.num_tokens
         self.waiting.appendleft(req)
@@ -321,21 +313,23 @@ class SimWorker:
                     budget -= 1
                     i += 1
                     continue
-            n = min(req.num_tokens - req.num_computed, budget)
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
             ok, evicted = self._allocate_or_preempt(req, n)
             preempted |= evicted
             if not ok:
                 break
             scheduled.append((req, n))
-            if req.prefill_left == 0:
+            if is_decode(req, n):
                 decodes += 1
                 decode_ctx += req.num_tokens
             else:
-                shape.add_prefill(n, req.num_computed, samples=req.num_computed + n == req.num_tokens)
+                shape.add_prefill(n, req.num_computed_tokens, samples=req.num_computed_tokens + n == req.num_tokens)
             budget -= n
             i += 1
         if not preempted:
-            self._admit(scheduled, shape, budget)
+            admitted_decodes, admitted_ctx = self._admit(scheduled, shape, budget)
+            decodes += admitted_decodes
+            decode_ctx += admitted_ctx
         self._add_decodes(shape, decodes, decode_ctx)
         return scheduled, shape
 
@@ -343,7 +337,8 @@ class SimWorker:
         """Blocks for ``n`` more tokens of ``req``, preempting the most recently admitted running
         requests (``req`` itself last) until they fit: (allocated, preempted any)."""
         preempted = False
-        while not self._allocate(req, n):
+        allocate = self.kv.allocate_slots
+        while not allocate(req, n):
             victim = self.running[-1]
             self._preempt(victim)
             preempted = True
@@ -351,29 +346,42 @@ class SimWorker:
                 return False, True
         return True, preempted
 
-    def _admit(self, scheduled: list[tuple[SimRequest, int]], shape: StepShape, budget: int) -> None:
-        """Strict-FCFS admission of waiting requests into what is left of the step's budget."""
-        running = self.running
+    def _admit(self, scheduled: list[tuple[SimRequest, int]], shape: StepShape, budget: int) -> tuple[int, int]:
+        """Strict-FCFS admission of waiting requests into what is left of the step's budget.
+
+        Returns the decodes among them (:func:`is_decode`: preempted requests left with their last
+        token) and their context tokens, for the caller's decode sums.
+        """
+        running, kv = self.running, self.kv
+        decodes = decode_ctx = 0
         while self.waiting and budget > 0 and len(running) < self.max_num_seqs:
             req = self.waiting[0]
-            hits, hit_tokens = self._cached_prefix(req)
+            hits, hit_tokens = kv.get_computed_blocks(req)
             n = min(req.num_tokens - hit_tokens, budget)
-            if not self._allocate(req, n, hits):
+            if not kv.allocate_slots(req, n, hits):
                 break
             self.waiting.popleft()
             self.queued_prefill_tokens -= hit_tokens
             req.prefill_left -= hit_tokens
-            req.num_computed = hit_tokens
+            req.num_computed_tokens = hit_tokens
             if req.cached_tokens < 0:
                 req.cached_tokens = hit_tokens
             running.append(req)
             self.running_tokens += req.num_tokens
             scheduled.append((req, n))
-            shape.add_prefill(n, hit_tokens, samples=hit_tokens + n == req.num_tokens)
+            if is_decode(req, n):
+                decodes += 1
+                decode_ctx += req.num_tokens
+            else:
+                shape.add_prefill(n, hit_tokens, samples=hit_tokens + n == req.num_tokens)
             budget -= n
+        return decodes, decode_ctx
 
     def _add_decodes(self, shape: StepShape, decodes: int, decode_ctx: int) -> None:
-        """Decodes summed at once: what ``StepShape.add_decode`` adds, per decoding sequence."""
+        """Decodes summed at once: what ``StepShape.add_decode`` adds, per decoding sequence.
+
+        ``decodes`` counts every sequence the engine would label a decode (:func:`is_decode`).
+        """
         self._decodes = decodes
         self._prefill_pairs = shape.attention_pairs
         shape.tokens += decodes
@@ -383,40 +391,39 @@ class SimWorker:
         shape.num_seqs += decodes
 
     def _apply_step(self, now: float) -> None:
-        pool = self.pool
-        unit = self.unit
         done = []
         decodes = 0
         for req, n in self._batch:
             if req.prefill_left == 0:
-                req.num_computed += 1
+                req.num_computed_tokens += 1
                 req.num_output += 1
-                decodes += 1
-                if req.num_output >= req.max_tokens:
-                    done.append(req)
+            elif not self._apply_prefill(req, n, now):
                 continue
-            req.prefill_left -= n
-            self.queued_prefill_tokens -= n
-            req.num_computed += n
-            if req.prefill_left == 0:
-                req.num_output += 1
-                decodes += 1
-                if req.first_token_at is None:
-                    req.first_token_at = now
-                    self.first_tokens.append(req)
-                if req.num_output >= req.max_tokens:
-                    done.append(req)
-            num_full = min(req.num_computed // unit, len(req.blocks), len(req.hashes))
-            if num_full > req.num_registered:
-                pool.cache_blocks(req.blocks[req.num_registered:num_full], req.hashes[req.num_registered:num_full])
-                req.num_registered = num_full
+            decodes += 1
+            if req.num_output >= req.max_tokens:
+                done.append(req)
         self.running_tokens += decodes
         self._finish(done, now)
+
+    def _apply_prefill(self, req: SimRequest, n: int, now: float) -> bool:
+        """A prefill chunk of ``n`` tokens is computed: its full blocks are registered and, when it
+        ends the prompt (or the recompute), a token comes out (True)."""
+        req.prefill_left -= n
+        self.queued_prefill_tokens -= n
+        req.num_computed_tokens += n
+        self.kv.cache_computed_blocks(req)
+        if req.prefill_left:
+            return False
+        req.num_output += 1
+        if req.first_token_at is None:
+            req.first_token_at = now
+            self.first_tokens.append(req)
+        return True
 
     def _finish(self, done: list[SimRequest], now: float) -> None:
         for req in done:
             self.running.remove(req)
             self.running_tokens -= req.num_tokens
             req.finished_at = now
-            self._free(req)
+            self.kv.free(req)
             self.finished.append(req)

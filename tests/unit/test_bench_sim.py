@@ -48,7 +48,7 @@ def test_a_decode_run_takes_exactly_the_sum_of_its_steps_in_both_roofline_regime
 def test_a_lone_request_prefills_in_budget_sized_chunks_then_decodes_step_by_step():
     lm = _latency()
     w = SimWorker("w", lm, num_blocks=200, unit=512, max_num_batched_tokens=8192)
-    req = SimRequest(0, 0.0, hashes=[], num_prompt=20000, max_tokens=4)
+    req = SimRequest(0, 0.0, block_hashes=[], num_prompt=20000, max_tokens=4)
     _run_alone(w, req)
     chunks = [(8192, 0, False), (8192, 8192, False), (3616, 16384, True)]
     ttft = 0.0
@@ -86,7 +86,7 @@ def test_the_least_recently_used_prefix_is_evicted_first_tail_block_first():
     a, b, c = [10, 11], [20, 21], [30, 31]
     for i, hashes in enumerate((a, b, a, c)):  # a is used again after b, so b is older
         _run_alone(w, SimRequest(i, float(i), hashes, num_prompt=1100, max_tokens=1), float(i))
-    hits = {name: w._cached_prefix(SimRequest(9, 9.0, h, 1100, 1))[1] for name, h in
+    hits = {name: w.kv.get_computed_blocks(SimRequest(9, 9.0, h, 1100, 1))[1] for name, h in
             (("a", a), ("b", b), ("c", c))}
     assert hits == {"a": 1024, "b": 512, "c": 1024}
 

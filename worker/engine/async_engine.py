@@ -1,10 +1,11 @@
 """AsyncLLMEngine: the LLMEngine on one background thread, consumed with ``async for``.
 
-The event loop never touches the engine's state: ``generate`` and ``abort`` post commands to
-the engine thread, which drains them before every step (so an abort frees blocks before the
-next step runs), steps while there is work, and hands outputs, KV events and a fresh stats
-snapshot back to the event loop with ``call_soon_threadsafe``. A step that fails aborts only
-that step's requests (they receive the error); the loop keeps serving everyone else.
+The event loop never touches the engine's state: ``generate``, ``abort`` and
+``reset_prefix_cache`` post commands (:data:`EngineCommand`) to the engine thread, which runs
+them in order before every step (so an abort frees blocks before the next step runs), steps
+while there is work, and hands outputs, KV events and a fresh stats snapshot back to the event
+loop with ``call_soon_threadsafe``. A step that fails aborts only that step's requests (they
+receive the error); the loop keeps serving everyone else.
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Union
 
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.errors import DuplicateRequestError, EngineDeadError, EngineStepError
@@ -28,12 +30,42 @@ log = logging.getLogger("prefixlb.worker.engine")
 KVEventListener = Callable[[list[KVCacheEvent]], None]
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AddRequest:
+    """Queue a request in the engine (its errors go back to the request's consumer)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    namespace: int
+    arrival_time: float
+    lora: LoRAAdapter | None = None  # the adapter to run with (None: the base model)
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRequest:
+    """Stop a request and free its blocks before the next step."""
+
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ResetPrefixCache:
+    """Forget every cached block if no request holds any; the answer resolves ``done``."""
+
+    done: asyncio.Future
+
+
+# What the event loop posts to the engine thread; run in order before every step.
+EngineCommand = Union[AddRequest, AbortRequest, ResetPrefixCache]
+
+
 class AsyncLLMEngine:
     """Async front of an :class:`LLMEngine`; one engine thread, any number of consumers."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._commands: deque[tuple] = deque()
+        self._commands: deque[EngineCommand] = deque()
         self._wakeup = threading.Event()
         self._queues: dict[str, asyncio.Queue] = {}
         self._listeners: list[KVEventListener] = []
@@ -87,7 +119,8 @@ class AsyncLLMEngine:
         if self._dead is not None:  # died since the check above: its farewell missed this queue
             del self._queues[request_id]
             raise EngineDeadError("the engine loop has stopped") from self._dead
-        self._post(("add", request_id, list(prompt_token_ids), params, namespace, time.monotonic(), lora))
+        self._post(AddRequest(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
+                              namespace=namespace, arrival_time=time.monotonic(), lora=lora))
         finished = False
         try:
             while True:
@@ -103,18 +136,18 @@ class AsyncLLMEngine:
             if self._queues.get(request_id) is queue:
                 del self._queues[request_id]
             if not finished:
-                self._post(("abort", request_id))
+                self._post(AbortRequest(request_id))
 
     async def abort(self, request_id: str) -> None:
         """Abort a request (its blocks are freed before the engine's next step)."""
-        self._post(("abort", request_id))
+        self._post(AbortRequest(request_id))
 
     async def reset_prefix_cache(self) -> bool:
         """Forget all cached blocks if no request holds any; True if it did."""
         self.start()
         assert self._loop is not None
         fut: asyncio.Future = self._loop.create_future()
-        self._post(("reset", fut))
+        self._post(ResetPrefixCache(fut))
         return await fut
 
     def stats(self) -> EngineStats:
@@ -126,7 +159,7 @@ class AsyncLLMEngine:
         self._listeners.append(listener)
 
     # ---- engine thread -----------------------------------------------------------------------
-    def _post(self, command: tuple) -> None:
+    def _post(self, command: EngineCommand) -> None:
         self._commands.append(command)
         self._wakeup.set()
 
@@ -157,20 +190,17 @@ class AsyncLLMEngine:
         engine = self.engine
         while self._commands:
             cmd = self._commands.popleft()
-            kind = cmd[0]
-            if kind == "add":
-                _, rid, prompt, params, namespace, arrival, lora = cmd
+            if isinstance(cmd, AddRequest):
                 try:
-                    engine.add_request(rid, prompt, params, namespace=namespace, arrival_time=arrival,
-                                       lora=lora)
+                    engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params,
+                                       namespace=cmd.namespace, arrival_time=cmd.arrival_time, lora=cmd.lora)
                 except Exception as exc:  # delivered to the caller, e.g. InvalidRequestError
-                    self._call(self._deliver, rid, exc)
-            elif kind == "abort":
-                engine.abort_request(cmd[1])
-            elif kind == "reset":
+                    self._call(self._deliver, cmd.request_id, exc)
+            elif isinstance(cmd, AbortRequest):
+                engine.abort_request(cmd.request_id)
+            elif isinstance(cmd, ResetPrefixCache):
                 ok = engine.reset_prefix_cache()
-                fut = cmd[1]
-                self._call(lambda f=fut, v=ok: f.done() or f.set_result(v))
+                self._call(lambda f=cmd.done, v=ok: f.done() or f.set_result(v))
 
     def _run(self) -> None:
         engine = self.engine

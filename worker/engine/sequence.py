@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from worker.engine.kv_cache.hashing import hash_block_tokens
 from worker.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -93,3 +94,15 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    def hash_blocks(self, block_size: int, num_blocks: int) -> None:
+        """Extend ``block_hashes`` to the first ``num_blocks`` blocks (full ones) of ``token_ids``.
+
+        Hashed on demand, by the KV-cache manager, only as far as a lookup or a registration needs.
+        """
+        hashes = self.block_hashes
+        parent = hashes[-1] if hashes else None
+        tokens = self.token_ids
+        for i in range(len(hashes), num_blocks):
+            parent = hash_block_tokens(parent, tokens[i * block_size:(i + 1) * block_size], self.namespace)
+            hashes.append(parent)

@@ -6,7 +6,7 @@ block ids handed out here.
 from worker.engine.kv_cache.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 from worker.engine.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from worker.engine.kv_cache.hashing import hash_block_tokens, hash_request_blocks
-from worker.engine.kv_cache.kv_cache_manager import KVCacheManager
+from worker.engine.kv_cache.kv_cache_manager import KVCacheManager, KVCacheRequest
 
 __all__ = [
     "AllBlocksCleared",
@@ -17,6 +17,7 @@ __all__ = [
     "KVCacheBlock",
     "KVCacheEvent",
     "KVCacheManager",
+    "KVCacheRequest",
     "hash_block_tokens",
     "hash_request_blocks",
 ]

@@ -4,13 +4,19 @@ A request's prompt is cut into full blocks of ``block_size`` tokens; each gets a
 (:mod:`worker.engine.kv_cache.hashing`). On admission the longest run of leading blocks whose hashes
 are cached is reused, but never the block holding the last token: at least one token is always
 recomputed so that a full hit still produces logits. Blocks are registered as cached only after
-the step that wrote their KV (:meth:`cache_computed_blocks`).
+the step that wrote their KV (:meth:`cache_computed_blocks`); a freed request's blocks go back
+tail first, so its last blocks are evicted first.
+
+These rules exist only here. They read and write a request through :class:`KVCacheRequest`,
+which both the engine's :class:`~worker.engine.sequence.Sequence` and the fleet simulator's
+lightweight ``bench.sim.worker.SimRequest`` (hashes precomputed, no token ids) satisfy; the
+simulator runs them on its own lazily built pool (``pool_class``).
 """
 from __future__ import annotations
 
+from typing import Protocol
+
 from worker.engine.kv_cache.block_pool import BlockPool, KVCacheBlock
-from worker.engine.kv_cache.hashing import hash_block_tokens
-from worker.engine.sequence import Sequence
 
 
 def cdiv(a: int, b: int) -> int:
@@ -18,84 +24,133 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class KVCacheManager:
-    """Allocates a request's blocks, finds its cached prefix, registers and frees its blocks."""
+class KVCacheRequest(Protocol):
+    """The request state the KV-cache rules read and write.
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    ``blocks`` are the request's KV blocks in token order, the first ``num_registered_blocks``
+    of them registered in the prefix cache (or taken from it); ``block_hashes`` the chained
+    hashes of its leading full blocks, as many as are known so far.
+    """
+
+    num_computed_tokens: int
+    blocks: list[KVCacheBlock]
+    block_hashes: list[int]
+    num_registered_blocks: int
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        ...
+
+    @property
+    def lora_name(self) -> str | None:
+        """The LoRA adapter that computes the request's KV (named in ``BlockStored``); None: the base model."""
+        ...
+
+    def hash_blocks(self, block_size: int, num_blocks: int) -> None:
+        """Extend ``block_hashes`` towards ``num_blocks`` hashes (full blocks only).
+
+        A request may stop short: the simulator's requests carry the hashes of their prompt and
+        never hash generated tokens.
+        """
+        ...
+
+
+class KVCacheManager:
+    """Allocates a request's blocks, finds its cached prefix, registers and frees its blocks.
+
+    ``pool_class`` builds the pool (``pool_class(num_blocks, enable_caching)``): the engine's
+    :class:`BlockPool`, or a subclass with the same behaviour (the simulator's lazy pool).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, *,
+                 pool_class: type[BlockPool] = BlockPool) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = pool_class(num_blocks, enable_caching)
 
     @property
     def num_blocks(self) -> int:
         return self.block_pool.num_blocks
 
-    def _ensure_hashes(self, seq: Sequence, num_blocks: int) -> None:
-        bs = self.block_size
-        hashes = seq.block_hashes
-        parent = hashes[-1] if hashes else None
-        for i in range(len(hashes), num_blocks):
-            parent = hash_block_tokens(parent, seq.token_ids[i * bs:(i + 1) * bs], seq.namespace)
-            hashes.append(parent)
-
-    def get_computed_blocks(self, seq: Sequence) -> tuple[list[KVCacheBlock], int]:
-        """The cached leading blocks of ``seq`` and how many tokens they hold.
+    def get_computed_blocks(self, req: KVCacheRequest) -> tuple[list[KVCacheBlock], int]:
+        """The cached leading blocks of ``req`` and how many tokens they hold.
 
         Looks at every full block except one holding the last token (that one is recomputed).
         """
         if not self.enable_caching:
             return [], 0
-        max_blocks = (seq.num_tokens - 1) // self.block_size
-        self._ensure_hashes(seq, max_blocks)
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        if len(req.block_hashes) < max_blocks:
+            req.hash_blocks(self.block_size, max_blocks)
         hits: list[KVCacheBlock] = []
         lookup = self.block_pool.cached_block_hash_to_block
-        for h in seq.block_hashes[:max_blocks]:
+        for h in req.block_hashes[:max_blocks]:
             block = lookup.get(h)
             if block is None:
                 break
             hits.append(block)
         return hits, len(hits) * self.block_size
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int,
+    def _num_new_blocks(self, req: KVCacheRequest, num_new_tokens: int,
+                        computed: list[KVCacheBlock]) -> int | None:
+        """Blocks to take from the free queue for ``num_new_tokens`` more tokens after the hits
+        ``computed``; None when the pool cannot spare them."""
+        bs = self.block_size
+        num_tokens = req.num_computed_tokens + len(computed) * bs + num_new_tokens
+        needed = cdiv(num_tokens, bs) - len(req.blocks) - len(computed)
+        # Hits sitting unreferenced in the free queue stop being allocatable once touched.
+        evictable_hits = sum(1 for b in computed if b.ref_cnt == 0) if computed else 0
+        if max(needed, 0) + evictable_hits > self.block_pool.get_num_free_blocks():
+            return None
+        return needed
+
+    def can_allocate(self, req: KVCacheRequest, num_new_tokens: int,
+                     new_computed_blocks: list[KVCacheBlock] | None = None) -> bool:
+        """Whether :meth:`allocate_slots` with the same arguments would succeed (changes nothing)."""
+        return self._num_new_blocks(req, num_new_tokens, new_computed_blocks or []) is not None
+
+    def allocate_slots(self, req: KVCacheRequest, num_new_tokens: int,
                        new_computed_blocks: list[KVCacheBlock] | None = None) -> bool:
-        """Make room for ``num_new_tokens`` more tokens of ``seq``; False (and no change) if full.
+        """Make room for ``num_new_tokens`` more tokens of ``req``; False (and no change) if full.
 
         ``new_computed_blocks`` are cache hits (from :meth:`get_computed_blocks`) that a newly
         admitted request takes a reference on.
         """
         computed = new_computed_blocks or []
-        num_tokens = seq.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
-        needed = cdiv(num_tokens, self.block_size) - len(seq.blocks) - len(computed)
-        # Hits sitting unreferenced in the free queue stop being allocatable once touched.
-        evictable_hits = sum(1 for b in computed if b.ref_cnt == 0)
-        if max(needed, 0) + evictable_hits > self.block_pool.get_num_free_blocks():
+        needed = self._num_new_blocks(req, num_new_tokens, computed)
+        if needed is None:
             return False
         if computed:
             self.block_pool.touch(computed)
-            seq.blocks.extend(computed)
-            seq.num_registered_blocks = len(seq.blocks)
+            req.blocks.extend(computed)
+            req.num_registered_blocks = len(req.blocks)
         if needed > 0:
-            seq.blocks.extend(self.block_pool.get_new_blocks(needed))
+            req.blocks.extend(self.block_pool.get_new_blocks(needed))
         return True
 
-    def cache_computed_blocks(self, seq: Sequence) -> None:
-        """Register the full blocks of ``seq`` whose KV is written (after a step)."""
+    def cache_computed_blocks(self, req: KVCacheRequest) -> None:
+        """Register the full blocks of ``req`` whose KV is written (after a step)."""
         if not self.enable_caching:
             return
-        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.blocks))
-        if num_full <= seq.num_registered_blocks:
+        start = req.num_registered_blocks
+        num_full = min(req.num_computed_tokens // self.block_size, len(req.blocks))
+        if num_full <= start:
             return
-        self._ensure_hashes(seq, num_full)
-        start = seq.num_registered_blocks
-        self.block_pool.cache_blocks(seq.blocks[start:num_full], seq.block_hashes[start:num_full],
-                                     seq.lora_name)
-        seq.num_registered_blocks = num_full
+        if len(req.block_hashes) < num_full:
+            req.hash_blocks(self.block_size, num_full)
+            num_full = min(num_full, len(req.block_hashes))
+            if num_full <= start:
+                return
+        self.block_pool.cache_blocks(req.blocks[start:num_full], req.block_hashes[start:num_full],
+                                     req.lora_name)
+        req.num_registered_blocks = num_full
 
-    def free(self, seq: Sequence) -> None:
-        """Release the blocks of ``seq``; its tail blocks become the first evicted."""
-        self.block_pool.free_blocks(reversed(seq.blocks))
-        seq.blocks = []
-        seq.num_registered_blocks = 0
+    def free(self, req: KVCacheRequest) -> None:
+        """Release the blocks of ``req``; its tail blocks become the first evicted."""
+        self.block_pool.free_blocks(reversed(req.blocks))
+        req.blocks = []
+        req.num_registered_blocks = 0
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block (only when no request holds blocks)."""
