@@ -113,10 +113,15 @@ def wait_healthy(url: str, popen: subprocess.Popen, deadline: float, name: str, 
 
 def start_vllm(checkpoint: Path, name: str, log_dir: Path, served_model_name: str, cpu: int | None = None,
                kv_events: bool = True, max_model_len: int = 4096,
-               extra_args: list[str] | None = None) -> VllmServer:
-    """Start one vLLM server on free ports; returns at once (then :meth:`VllmServer.wait_ready`)."""
-    port = free_port()
-    kv_port, replay_port = (free_port(), free_port()) if kv_events else (None, None)
+               extra_args: list[str] | None = None,
+               ports: tuple[int, int | None, int | None] | None = None) -> VllmServer:
+    """Start one vLLM server on free ports (or on ``ports`` = (HTTP, KV events, replay): a restart
+    at the same addresses); returns at once (then :meth:`VllmServer.wait_ready`)."""
+    if ports is not None:
+        port, kv_port, replay_port = ports
+    else:
+        port = free_port()
+        kv_port, replay_port = (free_port(), free_port()) if kv_events else (None, None)
     cmd = vllm_command(checkpoint, port, served_model_name, kv_port, replay_port, max_model_len, extra_args)
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{name}.log"

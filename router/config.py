@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from protocol import DEFAULT_CHUNK_SIZE, DEFAULT_PREFIX
-from protocol.settings import load_settings, setting
+from protocol.settings import SettingsError, load_settings, setting
 from router.routing.balancer import DEFAULT_FEEDBACK_CLEAR_AFTER, DEFAULT_TOKENS_PER_BYTE
 from router.routing.index import DEFAULT_CONFIRMED_TTL_S, DEFAULT_MAX_ENTRIES, DEFAULT_OPTIMISTIC_TTL_S
 from router.routing.load import SpeedProfile
@@ -31,8 +31,13 @@ class RouterConfig:
 
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(8000, "port to listen on", minimum=0, maximum=65535)
-    workers: list[str] = setting(list, "worker base URL, e.g. http://127.0.0.1:8001 (repeatable)",
+    workers: list[str] = setting(list, "worker: [KIND=]URL[,kv-events=tcp://H:P][,kv-replay=tcp://H:P], KIND one of "
+                                 "prefixlb, vllm, sglang, openai (default: detected), e.g. vllm=http://127.0.0.1:8001 "
+                                 "(repeatable)",
                                  flag="--worker")
+    tokenizers: list[str] = setting(list, "MODEL=DIR: the tokenizer.json and tokenizer_config.json of a model served "
+                                    "by vLLM workers with kv-events, for exact cached-token routing (repeatable; "
+                                    "needs the engines extra)", flag="--tokenizer")
     policy: str = setting(DEFAULT_POLICY, "routing policy", choices=policy_names)
     affinity: float = setting(DEFAULT_AFFINITY, "affinity strength a in [0, 1] (0: least pending work, 1: follow "
                               'the cache); see docs/routing.md, "Affinity strength"', minimum=0.0, maximum=1.0)
@@ -141,6 +146,21 @@ class RouterConfig:
         """The speed assumed for a worker until its reports say otherwise."""
         return SpeedProfile(prefill_tokens_per_s=self.prefill_tokens_per_s, decode_step_s=self.decode_step_s,
                             max_num_seqs=self.max_num_seqs)
+
+
+def check_router_config(cfg: RouterConfig) -> None:
+    """What the schema cannot check: worker specs and ``--tokenizer`` entries (SettingsError)."""
+    from router.fleet.backends import InvalidWorkerSpec, parse_worker_spec
+
+    for spec in cfg.workers:
+        try:
+            parse_worker_spec(spec)
+        except InvalidWorkerSpec as exc:
+            raise SettingsError(f"--worker {spec!r}: {exc}") from None
+    for entry in cfg.tokenizers:
+        model, sep, directory = entry.partition("=")
+        if not sep or not model or not directory:
+            raise SettingsError(f"--tokenizer {entry!r}: expected MODEL=DIR")
 
 
 def load_router_config(argv: Sequence[str] | None = None,

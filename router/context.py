@@ -22,13 +22,15 @@ from router.routing.balancer import Balancer
 from router.fleet.breaker import BreakerConfig
 from router.fleet.connections import WorkerConnections
 from router.config import RouterConfig
-from router.fleet.health import HealthChecker
+from router.fleet.backends import parse_worker_spec
+from router.fleet.health import HealthChecker, worker_id_of
+from router.fleet.kv_subscriber import KVEventSubscriber
 from router.routing.index import PrefixIndex
 from router.routing.load import LoadBoard
 from router.metrics import RouterMetrics
 from router.fleet.prewarm import HotPrefixes, Prewarmer
 from router.http.proxy import Proxy
-from router.fleet.registry import ROUTABLE, STATES, InvalidWorkerURL, WorkerRegistry
+from router.fleet.registry import ROUTABLE, STATES, InvalidWorkerURL, Worker, WorkerRegistry
 from router.state import RedisState
 from router.fleet.worker_url import WorkerURLPolicy
 
@@ -55,9 +57,22 @@ class RouterContext:
     health: HealthChecker
     prewarmer: Prewarmer
     connections: WorkerConnections
+    kv_events: KVEventSubscriber
+    tokenizers: Any = None  # BackendTokenizers (router/routing/chat_tokens.py) when --tokenizer is given
     state: RedisState | None = None
     discovery: Any = None
     maintenance: asyncio.Task | None = None
+    started: bool = False
+
+    def subscribe_kv_events(self, w: Worker) -> None:
+        """Read ``w``'s KV events if it publishes them (a vLLM worker added with ``kv-events``)."""
+        if self.started and w.kv_events:
+            self.kv_events.add(worker_id_of(w.url), w.kv_events, w.kv_replay)
+
+    def unsubscribe_kv_events(self, w: Worker) -> None:
+        """``w`` left: stop reading its KV events."""
+        if w.kv_events:
+            self.kv_events.remove(worker_id_of(w.url))
 
     def runtime_config(self) -> dict[str, Any]:
         """The settings that can change at run time, as in force now."""
@@ -134,6 +149,31 @@ class RouterContext:
         yield healthy
         yield inflight
         yield pending
+        source = GaugeMetricFamily("prefixlb_router_worker_load_source",
+                                   "1 for where a worker's load comes from: report (prefixlb), metrics (vLLM / "
+                                   "SGLang /metrics), inflight (this router's own books only)",
+                                   labels=["worker", "kind", "source"])
+        for w in self.registry.all():
+            if w.worker_id is not None and w.load_source:
+                source.add_metric([w.worker_id, w.backend_kind or "", w.load_source], 1.0)
+        yield source
+        precise = GaugeMetricFamily("prefixlb_router_kv_events_synchronised",
+                                    "1 while a backend's KV-event stream is synchronised (exact cached-token "
+                                    "predictions), 0 while it is routed on estimates", labels=["worker"])
+        blocks = GaugeMetricFamily("prefixlb_router_kv_events_blocks", "Blocks a backend holds by its KV events",
+                                   labels=["worker"])
+        kv = CounterMetricFamily("prefixlb_router_engine_kv_event_batches",
+                                 "vLLM KV-event batches read from a backend's ZMQ publisher, and mishaps (what: "
+                                 "batches, malformed, gaps, restarts, resyncs, resync_failures)",
+                                 labels=["worker", "what"])
+        for backend, st in list(self.kv_events.stats.items()):
+            precise.add_metric([backend], 1.0 if self.balancer.precise.precise(backend) else 0.0)
+            blocks.add_metric([backend], self.balancer.precise.index.num_blocks(backend))
+            for what in ("batches", "malformed", "gaps", "restarts", "resyncs", "resync_failures"):
+                kv.add_metric([backend, what], getattr(st, what))
+        yield precise
+        yield blocks
+        yield kv
         ratio = GaugeMetricFamily("prefixlb_router_tokens_per_byte", "Learned prompt tokens per rendered byte",
                                   labels=["model"])
         for model, value in self.balancer.token_ratios().items():
@@ -189,17 +229,29 @@ def build_context(cfg: RouterConfig) -> RouterContext:
         state = RedisState(cfg.redis, RedisKeys(cfg.redis_prefix), balancer, registry, metrics,
                            cfg.registry_interval, cfg.snapshot_interval, lambda values: ctx._shared_config(values),
                            registry_grace=cfg.registry_grace)
+    tokenizers = None
+    if cfg.tokenizers:
+        from router.fleet.tokenizers import load_backend_tokenizers
+
+        tokenizers = load_backend_tokenizers(dict(entry.split("=", 1) for entry in cfg.tokenizers))
     ctx = RouterContext(config=cfg, balancer=balancer, registry=registry, metrics=metrics, proxy=proxy,
-                        health=health, prewarmer=prewarmer, connections=connections, state=state)
+                        health=health, prewarmer=prewarmer, connections=connections,
+                        kv_events=KVEventSubscriber(balancer.precise), tokenizers=tokenizers, state=state)
     metrics.add_state(ctx.state_metrics)
-    for url in cfg.workers:
-        registry.add(url, "flag")
+    registry.on_added.append(ctx.subscribe_kv_events)
+    registry.on_removed.append(ctx.unsubscribe_kv_events)
+    for text in cfg.workers:
+        spec = parse_worker_spec(text)
+        registry.add(spec.url, "flag", spec=spec)
     return ctx
 
 
 async def start(ctx: RouterContext) -> None:
     """Open connections, sync from Redis, start probes and discovery (before listening)."""
     await ctx.connections.open()
+    ctx.started = True
+    for w in ctx.registry.all():
+        ctx.subscribe_kv_events(w)
     if ctx.state is not None:
         await ctx.state.start(ctx.config.startup_sync_timeout)
     await ctx.health.start()
@@ -223,6 +275,7 @@ async def stop(ctx: RouterContext) -> None:
             await ctx.maintenance
     await ctx.prewarmer.close()
     await ctx.health.close()
+    await ctx.kv_events.close()
     if ctx.state is not None:
         await ctx.state.close(final_snapshot=True)
     await ctx.connections.close()

@@ -80,7 +80,12 @@ class RouterMetrics:
                                "(ok, trimmed, stream_lost, stream_reset, full)", ["kind"], registry=r)
         self.snapshots = Counter("prefixlb_router_index_snapshots_total",
                                  "Index snapshots, by operation (write, load)", ["op"], registry=r)
+        self.cached_unreported = Counter("prefixlb_router_cached_tokens_unreported_total",
+                                         "Answers whose usage had no prompt_tokens_details.cached_tokens: the "
+                                         "router cannot correct its prefix index from them (vLLM needs "
+                                         "--enable-prompt-tokens-details)", ["worker"], registry=r)
         self._feedback: dict[str, tuple] = {}
+        self._unreported_logged: set[str] = set()
         self._requests: dict[tuple[str, str], Any] = {}
 
     def add_state(self, read: Callable[[], Iterable[GaugeMetricFamily]]) -> None:
@@ -102,6 +107,14 @@ class RouterMetrics:
         children[1].inc(cached)
         children[2].inc(prompt_tokens)
         self.prediction_error.observe(abs(predicted - cached))
+
+    def count_unreported_cached(self, worker_id: str) -> bool:
+        """Count an answer without ``cached_tokens``; True the first time for ``worker_id`` (log it)."""
+        self.cached_unreported.labels(worker_id).inc()
+        if worker_id in self._unreported_logged:
+            return False
+        self._unreported_logged.add(worker_id)
+        return True
 
     def count_request(self, worker_id: str, reason: str) -> None:
         """Count a routed request (label children cached: this runs for every request)."""

@@ -215,3 +215,33 @@ def exposed_metric_names(exposition: str) -> set[str]:
         names.update(family.name + s for s in suffixes.get(family.type, ("",)))
         names.update(sample.name for sample in family.samples)
     return names
+
+
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+_VLLM_PARSE = """
+import dataclasses, json, sys
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+args = make_arg_parser(FlexibleArgumentParser()).parse_args(json.loads(sys.argv[1]))
+kv = args.kv_events_config  # parsed into vLLM's KVEventsConfig (unknown keys refused)
+print(json.dumps({
+    "model": args.model, "served_model_name": args.served_model_name, "host": args.host,
+    "port": args.port, "enable_prefix_caching": args.enable_prefix_caching,
+    "enable_prompt_tokens_details": args.enable_prompt_tokens_details,
+    "kv_events_config": dataclasses.asdict(kv) if kv is not None else None,
+}))
+"""
+
+
+def vllm_server_settings(argv: list[str]) -> dict[str, Any] | None:
+    """What vLLM's own OpenAI-server parser makes of ``argv`` (run with ``.venv-vllm``'s vLLM,
+    the release docs/real-engines.md describes); None when ``.venv-vllm`` is not installed."""
+    if not VLLM_PYTHON.exists():
+        return None
+    proc = subprocess.run([str(VLLM_PYTHON), "-c", _VLLM_PARSE, json.dumps(list(argv))], cwd="/",
+                          capture_output=True, text=True, timeout=300,
+                          env={"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", "/tmp"),
+                               "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, f"vLLM refused {argv}:\n{proc.stderr[-3000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])

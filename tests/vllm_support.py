@@ -68,13 +68,15 @@ def save_checkpoint(directory: Path, preset: str = MODEL_NAME) -> Path:
 
 
 def start_server(checkpoint: Path, name: str, log_dir: Path, cpu: int | None = None, max_model_len: int = 4096,
-                 extra_args: list[str] | None = None) -> VllmServer:
-    """Start one vLLM server with KV events on free ports (returns at once; then ``server.wait_ready``)."""
+                 extra_args: list[str] | None = None, same_as: VllmServer | None = None) -> VllmServer:
+    """Start one vLLM server with KV events on free ports, or on ``same_as``'s (a restart);
+    returns at once (then ``server.wait_ready``)."""
     # Compilation mode 0 (eager, as vLLM's own CPU CI runs): torch inductor's start-up compile
     # costs minutes on 2 shared cores and changes nothing these tests look at.
+    ports = (same_as.port, same_as.kv_port, same_as.replay_port) if same_as is not None else None
     return start_vllm(checkpoint, name, log_dir, MODEL_NAME, cpu=cpu, max_model_len=max_model_len,
                       extra_args=["--max-num-seqs", "32", "--compilation-config", '{"mode": 0}',
-                                  *(extra_args or [])])
+                                  *(extra_args or [])], ports=ports)
 
 
 class BackgroundFleet:

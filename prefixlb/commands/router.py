@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 from prefixlb.server_command import ServerCommand
-from router.config import ENV_PREFIX, RouterConfig
+from router.config import ENV_PREFIX, RouterConfig, check_router_config
 
 EXAMPLES = """examples:
   prefixlb router --port 8000 --worker http://127.0.0.1:8001 --worker http://127.0.0.1:8002
   prefixlb router --redis redis://127.0.0.1:6379/0 --affinity 0.8 --admin-token s3cret
   prefixlb router --policy least_load --worker http://10.0.0.5:8000
+  prefixlb router --worker vllm=http://10.0.0.5:8000,kv-events=tcp://10.0.0.5:5557,kv-replay=tcp://10.0.0.5:5558 \
+                  --tokenizer meta-llama/Llama-3.1-8B-Instruct=/models/llama-3.1-8b
 
 per request: header X-Prefixlb-Affinity: 0..1 overrides --affinity
 """
@@ -15,13 +17,15 @@ per request: header X-Prefixlb-Affinity: 0..1 overrides --affinity
 
 def _load():
     from router.app import serve
+    from router.fleet.backends import InvalidWorkerSpec
     from router.fleet.registry import InvalidWorkerURL
+    from router.fleet.tokenizers import TokenizerLoadError
 
-    return serve, (InvalidWorkerURL,)
+    return serve, (InvalidWorkerURL, InvalidWorkerSpec, TokenizerLoadError)
 
 
 COMMAND = ServerCommand(name="router", schema=RouterConfig, env_prefix=ENV_PREFIX, description=__doc__,
-                        epilog=EXAMPLES, load=_load)
+                        epilog=EXAMPLES, load=_load, check=check_router_config)
 
 
 def main(argv: list[str]) -> int:

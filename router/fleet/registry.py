@@ -35,6 +35,7 @@ from typing import Callable, Iterable
 
 from protocol import LoadReport, WorkerInfo
 from router.routing.balancer import Balancer
+from router.fleet.backends import WorkerSpec, check_zmq_endpoint
 from router.fleet.breaker import Breaker, BreakerConfig
 from router.fleet.worker_url import InvalidWorkerURL, WorkerURLPolicy, normalize_url
 
@@ -66,6 +67,17 @@ class Worker:
     last_error: str = ""
     vanished_at: float | None = None  # when it left its discovery source (Redis grace)
     after_warming: str = HEALTHY  # the state pre-warming leads to (recovering, after an outage)
+    kind: str | None = None  # as configured (None: detected by the prober, router/fleet/backends.py)
+    detected_kind: str | None = None  # what the prober found it to be
+    kv_events: str | None = None  # ZMQ endpoints of its KV-event publisher and replay socket (vLLM)
+    kv_replay: str | None = None
+    load_source: str = ""  # where its load comes from: report, metrics, inflight (the router's own books)
+    max_model_len: dict[str, int] = field(default_factory=dict)  # per model, from /v1/models
+
+    @property
+    def backend_kind(self) -> str | None:
+        """Its kind: as configured, else as detected (None until the first good probe)."""
+        return self.kind or self.detected_kind
 
     @property
     def failures(self) -> int:
@@ -75,7 +87,8 @@ class Worker:
     def to_dict(self) -> dict:
         """JSON view for the admin API."""
         return {"worker_id": self.worker_id, "url": self.url, "source": self.source, "state": self.state,
-                "models": list(self.models), "failures": self.failures, "breaker": self.breaker.state,
+                "models": list(self.models), "kind": self.backend_kind, "load_source": self.load_source or None,
+                "kv_events": self.kv_events, "max_model_len": dict(self.max_model_len), "failures": self.failures, "breaker": self.breaker.state,
                 "breaker_opens": self.breaker.opens, "last_ok": self.last_ok, "last_error": self.last_error}
 
 
@@ -136,12 +149,18 @@ class WorkerRegistry:
         return cached
 
     # -- membership -------------------------------------------------------------------------
-    def add(self, url: str, source: str, worker_id: str | None = None) -> Worker:
+    def add(self, url: str, source: str, worker_id: str | None = None, spec: WorkerSpec | None = None) -> Worker:
         """Know a worker at ``url`` (idempotent); it is routable after its first good check.
 
-        Raises :class:`InvalidWorkerURL` for a URL the policy refuses.
+        ``spec`` gives its kind and KV-event sockets (``router/fleet/backends.py``); a worker
+        already known keeps what it was added with. Raises :class:`InvalidWorkerURL` for a URL
+        (or a KV-event endpoint host) the policy refuses.
         """
         url = self.url_policy.check(url)
+        if spec is not None:
+            for endpoint in (spec.kv_events, spec.kv_replay):
+                if endpoint:
+                    self.url_policy.check_host(check_zmq_endpoint(endpoint)[0])
         w = self._by_url.get(url)
         if w is None and worker_id is not None:
             w = self._by_id.get(worker_id)  # the same worker, known under another URL
@@ -150,10 +169,13 @@ class WorkerRegistry:
                 self.undrain(w)
             return w
         w = Worker(url, source, worker_id, breaker=Breaker(self.breaker_config))
+        if spec is not None:
+            w.kind, w.kv_events, w.kv_replay = spec.kind, spec.kv_events, spec.kv_replay
         self._by_url[url] = w
         if worker_id is not None:
             self._by_id[worker_id] = w
-        log.info("event=worker_added url=%s source=%s worker_id=%s", url, source, worker_id)
+        log.info("event=worker_added url=%s source=%s worker_id=%s kind=%s kv_events=%s", url, source, worker_id,
+                 w.kind or "detect", w.kv_events)
         for callback in self.on_added:
             callback(w)
         return w
@@ -311,6 +333,7 @@ class WorkerRegistry:
             if state in (UNHEALTHY, DRAINED):
                 # Its cache is gone or about to be: forget what it held (its keys move on the ring).
                 self.balancer.index.clear_worker(worker_id)
+                self.balancer.precise.reset(worker_id)
         self._changed()
         if worker_id is None:
             return

@@ -23,6 +23,7 @@ a router whose admin token and Redis are trusted).
 """
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import ipaddress
 from dataclasses import dataclass
@@ -110,6 +111,12 @@ class WorkerURLPolicy:
         if self.patterns and not any(p.matches(parts.hostname, port) for p in self.patterns):
             raise InvalidWorkerURL(f"worker URL not in the allow-list (--worker-allow): {url!r}")
         return text.rstrip("/")
+
+    def check_host(self, host: str) -> None:
+        """Raise :class:`InvalidWorkerURL` unless ``host`` is allowed on any port (the KV-event
+        sockets of a worker live on other ports than its HTTP one)."""
+        if self.patterns and not any(dataclasses.replace(p, port=None).matches(host, 0) for p in self.patterns):
+            raise InvalidWorkerURL(f"KV-event host not in the allow-list (--worker-allow): {host!r}")
 
 
 def normalize_url(url: object) -> str:

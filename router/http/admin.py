@@ -4,7 +4,9 @@
 method   path                            effect
 =======  ==============================  ==================================================
 GET      /admin/workers                  every known worker: state, models, load
-POST     /admin/workers                  ``{"url": "http://host:port"}``: add a worker (or undrain it)
+POST     /admin/workers                  ``{"url": "http://host:port"}``: add a worker (or undrain it);
+                                         optional ``"kind"`` (prefixlb, vllm, sglang, openai),
+                                         ``"kv_events"`` / ``"kv_replay"`` (tcp://host:port)
 DELETE   /admin/workers/{id}             remove a worker (by id or URL)
 POST     /admin/workers/{id}/drain       no new work; removed once its requests are done
 POST     /admin/workers/{id}/prewarm     ``{"top": K}``: send it the K hottest prefixes now
@@ -35,6 +37,7 @@ from protocol.openai_api import OpenAIError
 from protocol.settings import describe
 from router.http.api import CONTEXT, Handler
 from router.context import ConfigError, RouterContext
+from router.fleet.backends import InvalidWorkerSpec, parse_worker_spec
 from router.fleet.registry import InvalidWorkerURL
 
 log = logging.getLogger("prefixlb.router.admin")
@@ -95,8 +98,20 @@ async def add_worker(request: web.Request) -> web.Response:
     """``POST /admin/workers`` with ``{"url": ...}``."""
     ctx = request.config_dict[CONTEXT]
     body = await _json(request)
+    spec = None
+    if any(body.get(key) is not None for key in ("kind", "kv_events", "kv_replay")):
+        options = {"kind": body.get("kind"), "kv-events": body.get("kv_events"), "kv-replay": body.get("kv_replay")}
+        if not all(v is None or isinstance(v, str) for v in options.values()) or not isinstance(body.get("url"), str):
+            raise _error(400, "url, kind, kv_events and kv_replay must be strings", "invalid_request_error",
+                         "invalid_worker")
+        text = (f"{options['kind']}=" if options["kind"] else "") + body["url"] + "".join(
+            f",{name}={value}" for name, value in options.items() if name != "kind" and value)
+        try:
+            spec = parse_worker_spec(text)
+        except InvalidWorkerSpec as exc:
+            raise _error(400, str(exc), "invalid_request_error", "invalid_worker") from None
     try:
-        w = ctx.registry.add(body.get("url"), "admin")  # type: ignore[arg-type]
+        w = ctx.registry.add(body.get("url"), "admin", spec=spec)  # type: ignore[arg-type]
     except InvalidWorkerURL as exc:
         raise _error(400, str(exc), "invalid_request_error", "invalid_url") from None
     log.info("event=admin_worker_added url=%s", w.url)

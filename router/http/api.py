@@ -98,6 +98,8 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
         prompt = prompt_key(body, chat, cfg.chunk_size, cfg.ring_key_chunks, session)
     except RenderError as exc:
         raise bad_request(str(exc), exc.param) from None
+    if ctx.tokenizers is not None and ctx.balancer.precise.backends():
+        prompt.tokens = ctx.tokenizers.prompt_tokens(body, chat)
     affinity = parse_affinity(request.headers.get(HEADER_AFFINITY))
     if ctx.prewarmer.top:
         ctx.prewarmer.hot.record(prompt.ring_key, request.path, parsed.model, raw, time.time())
@@ -140,7 +142,10 @@ async def health(request: web.Request) -> web.Response:
     """``GET /health``: the router is up; says how many workers it can route to."""
     ctx = request.app[CONTEXT]
     routable = len(ctx.balancer.routable())
-    return web.json_response({"status": "ok", "routable_workers": routable, "known_workers": len(ctx.registry),
+    # 200 either way (a liveness probe must not restart a router whose workers are down), but
+    # the status says when it cannot route anything.
+    status = "ok" if routable or not len(ctx.registry) else "no_routable_workers"
+    return web.json_response({"status": status, "routable_workers": routable, "known_workers": len(ctx.registry),
                               "redis": ctx.state.status() if ctx.state else "disabled"})
 
 

@@ -14,6 +14,7 @@ by any exit, and nothing else does.
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -22,6 +23,8 @@ from router.routing.balancer import Balancer, Booking
 from router.routing.policy import Decision
 from router.routing.prompt import PromptKey
 from router.http.sse import usage_numbers
+
+log = logging.getLogger("prefixlb.router.proxy")
 
 
 class BookedAttempt:
@@ -51,9 +54,14 @@ class BookedAttempt:
     def __exit__(self, *exc: object) -> None:
         numbers = usage_numbers(self.usage)
         self.balancer.finish(self.booking, time.time(), numbers)
-        if numbers is not None and numbers[1] is not None:
+        if numbers is not None:
             d = self.booking.decision
-            self.metrics.observe_feedback(d.worker_id, d.predicted_cached_tokens, numbers[0], numbers[1])
+            if numbers[1] is not None:
+                self.metrics.observe_feedback(d.worker_id, d.predicted_cached_tokens, numbers[0], numbers[1])
+            elif self.metrics.count_unreported_cached(d.worker_id):
+                log.warning("event=cached_tokens_unreported worker=%s (its usage has no prompt_tokens_details."
+                            "cached_tokens: routing cannot learn from its answers; vLLM needs "
+                            "--enable-prompt-tokens-details)", d.worker_id)
 
 
 def book(balancer: Balancer, metrics: RouterMetrics, decision: Decision, prompt: PromptKey) -> BookedAttempt:

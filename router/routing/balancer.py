@@ -30,6 +30,11 @@ endpoint (``PromptKey.ratio_key``: a chat template adds tokens a completion does
 matched chunks of a ``P``-token prompt: a worker's prefix cache only ever serves whole blocks,
 and always recomputes the last prompt token.
 
+**Precise backends.** Where the router reads a backend's own KV events and has the request's
+token ids (``PromptKey.tokens``, ``router/routing/precise.py``), that backend's predicted cached
+tokens are the engine's exact answer instead of the byte-level estimate, and the prompt's token
+count is exact too. A backend whose event stream is not synchronised is estimated as any other.
+
 **Feedback.** When a worker reports fewer cached tokens than predicted (by more than a chunk's
 tokens and a block: the prediction's own granularity), the entries past what it reported are
 demoted to short-lived optimistic ones, and after
@@ -47,6 +52,7 @@ from protocol import DEFAULT_CHUNK_SIZE, KVEvent, LoadReport
 from protocol.messages import KV_CLEARED, KV_REMOVED, KV_STORED
 from router.routing.index import PrefixIndex
 from router.routing.load import LoadBoard, SpeedProfile, Ticket
+from router.routing.precise import Pending, PreciseIndex
 from router.routing.policies import get_policy
 from router.routing.policy import NOT_ON_RING, Candidate, Decision, NoCapacity, PolicyConfig, RouteRequest
 from router.routing.prompt import PromptKey
@@ -81,6 +87,7 @@ class Booking:
     decision: Decision
     prompt: PromptKey
     ticket: Ticket
+    pending: Pending | None = None  # its blocks on a precise backend, until they are indexed
 
 
 class Balancer:
@@ -89,8 +96,10 @@ class Balancer:
     def __init__(self, config: PolicyConfig | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
                  index: PrefixIndex | None = None, board: LoadBoard | None = None,
                  tokens_per_byte: float = DEFAULT_TOKENS_PER_BYTE, tokens_per_byte_alpha: float = 0.2,
-                 feedback_clear_after: int = DEFAULT_FEEDBACK_CLEAR_AFTER, vnodes: int = DEFAULT_VNODES) -> None:
+                 feedback_clear_after: int = DEFAULT_FEEDBACK_CLEAR_AFTER, vnodes: int = DEFAULT_VNODES,
+                 precise: PreciseIndex | None = None) -> None:
         self.config = config if config is not None else PolicyConfig()
+        self.precise = precise if precise is not None else PreciseIndex()
         self.chunk_size = chunk_size
         self.index = index if index is not None else PrefixIndex()
         self.board = board if board is not None else LoadBoard(SpeedProfile())
@@ -167,7 +176,9 @@ class Balancer:
         self._ratios[key] = ratio if old is None else old + a * (ratio - old)
 
     def estimate_tokens(self, prompt: PromptKey) -> int:
-        """Estimated prompt tokens of a request."""
+        """Estimated prompt tokens of a request (exact where its token ids are known)."""
+        if prompt.tokens is not None and prompt.tokens.token_ids:
+            return len(prompt.tokens.token_ids)
         return max(1, round(prompt.num_bytes * self.tokens_per_byte(prompt.ratio_key)))
 
     def cached_tokens_for(self, matched_chunks: int, prompt: PromptKey, prompt_tokens: int,
@@ -192,6 +203,8 @@ class Balancer:
         matches, complete = self.index.match_top(prompt.hashes, now, cfg.match_candidates)
         if not complete:
             matches = _DepthLookup(matches, self.index, prompt.hashes, now)
+        if prompt.tokens is not None and self.precise.backends():
+            prompt.known_cached = self.precise.cached_tokens(prompt.tokens, now) or None
         request = RouteRequest(prompt_tokens=self.estimate_tokens(prompt), affinity=affinity,
                                session=prompt.session_key is not None, sequence=next(self._sequence))
         candidates = policy.candidates(self, request, prompt, matches, now, exclude, cfg)
@@ -214,6 +227,9 @@ class Balancer:
         successors = [w for w in ring.successors(prompt.ring_key, cfg.ring_candidates + len(exclude))
                       if w not in exclude][:cfg.ring_candidates]
         ids = dict.fromkeys(w for w in matches.keys() if w in ring and w not in exclude)
+        known = prompt.known_cached
+        if known:
+            ids.update(dict.fromkeys(w for w, cached in known.items() if cached and w in ring and w not in exclude))
         ids.update(dict.fromkeys(successors))
         ids.update(dict.fromkeys(self.board.least_loaded(cfg.load_candidates, now, exclude)))
         return list(ids), successors
@@ -223,8 +239,10 @@ class Balancer:
         """A tracked worker as a policy sees it, holding ``matched`` leading chunks of ``prompt``."""
         w = self.board.get(worker_id)
         assert w is not None
-        return Candidate(worker_id=worker_id,
-                         cached_tokens=self.cached_tokens_for(matched, prompt, prompt_tokens, w.block_size),
+        known = prompt.known_cached
+        cached = (known[worker_id] if known and worker_id in known
+                  else self.cached_tokens_for(matched, prompt, prompt_tokens, w.block_size))
+        return Candidate(worker_id=worker_id, cached_tokens=cached,
                          pending_s=w.pending_s(now), tokens_per_s=w.rate(), in_system=w.in_system,
                          over_limit=w.over_limit(), ring_rank=ring_rank, matched_chunks=matched,
                          service_s=w.service_s)
@@ -246,11 +264,14 @@ class Balancer:
         # again for __init__ (~0.45 us per candidate); calling __init__ itself passes them
         # straight through, as fast as positional arguments.
         new, init = object.__new__, Candidate.__init__
+        known = prompt.known_cached or {}
         for worker_id in ids:
             w = board.get(worker_id)
             matched = matches.get(worker_id, 0)
             cached = 0
-            if matched:
+            if worker_id in known:
+                cached = known[worker_id]
+            elif matched:
                 tokens = min(matched * chunk_tokens, cap)
                 block = w.block_size
                 cached = max(0, int(tokens // block) * block)
@@ -279,7 +300,8 @@ class Balancer:
                               worker_id, now, confirmed=False)
         prefill = max(1, decision.prompt_tokens - decision.predicted_cached_tokens)
         ticket = self.board.dispatch(worker_id, prefill, now)
-        return Booking(decision, prompt, ticket)
+        pending = self.precise.dispatched(worker_id, prompt.tokens, now) if prompt.tokens is not None else None
+        return Booking(decision, prompt, ticket, pending)
 
     def first_byte(self, booking: Booking, now: float) -> None:
         """The worker started answering: the request's prefill is done."""
@@ -291,6 +313,8 @@ class Balancer:
         ``cached_tokens`` None (a backend that does not report it) teaches only the token ratio.
         """
         self.board.finish(booking.ticket, now)
+        if booking.pending is not None:
+            self.precise.finished(booking.pending, now)
         if usage is None:
             return
         prompt_tokens, cached = usage

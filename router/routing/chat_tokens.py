@@ -1,4 +1,7 @@
-"""A request's prompt as the token ids a vLLM backend computes for it. No I/O.
+"""A request's prompt as the token ids a vLLM backend computes for it.
+
+No I/O (``router/fleet/tokenizers.py`` reads the files). Needs the ``engines`` extra
+(``tokenizers``, ``jinja2``): the router imports this module only when ``--tokenizer`` is given.
 
 To look a prompt up in a backend's block chain (router/routing/token_index.py) the router needs
 the exact tokens the engine will see. For a completion that is the prompt tokenized with
@@ -23,12 +26,16 @@ Images, audio and other non-text parts are out of scope: such a request is not l
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import jinja2.nodes
 
 from protocol.hf_chat_template import render_chat_template, template_environment
+from router.routing.precise import PromptTokens
+
+log = logging.getLogger("prefixlb.router.tokens")
 
 STRING_FORMAT = "string"
 OPENAI_FORMAT = "openai"
@@ -189,3 +196,52 @@ class BackendTokenizer:
         """The chat prompt's ids: the rendered text tokenized without adding special tokens."""
         text = self.render_chat(messages, tools, add_generation_prompt, **template_kwargs)
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+class BackendTokenizers:
+    """The backend tokenizers the router has, by served model name: requests -> PromptTokens."""
+
+    def __init__(self, tokenizers: dict[str, BackendTokenizer] | None = None) -> None:
+        self._by_model = dict(tokenizers or {})
+
+    def __bool__(self) -> bool:
+        return bool(self._by_model)
+
+    def models(self) -> list[str]:
+        """Models with a tokenizer."""
+        return sorted(self._by_model)
+
+    def prompt_tokens(self, body: dict[str, Any], chat: bool) -> PromptTokens | None:
+        """The request's prompt as its backend tokenizes it, or None when this router cannot say
+        (no tokenizer for the model, a batch of prompts, a template that fails): the request is
+        then routed on the byte-level estimate, as for any backend."""
+        tok = self._by_model.get(body.get("model"))  # type: ignore[arg-type]
+        if tok is None:
+            return None
+        salt = body.get("cache_salt")
+        salt = salt if isinstance(salt, str) and salt else None
+        try:
+            if chat:
+                messages = body.get("messages")
+                if not isinstance(messages, list):
+                    return None
+                tools = body.get("tools")
+                kwargs = body.get("chat_template_kwargs")
+                kwargs = dict(kwargs) if isinstance(kwargs, dict) else {}
+                kwargs.pop("add_generation_prompt", None)
+                ids = tok.chat_token_ids(messages, tools if isinstance(tools, list) else None,
+                                         add_generation_prompt=body.get("add_generation_prompt", True) is not False,
+                                         **kwargs)
+            else:
+                prompt = body.get("prompt")
+                if isinstance(prompt, str):
+                    ids = tok.prompt_token_ids(prompt)
+                elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                                 for t in prompt):
+                    ids = list(prompt)
+                else:
+                    return None
+        except Exception as exc:  # noqa: BLE001 - a template may raise anything; routing goes on without
+            log.debug("event=backend_tokenize_failed model=%s error=%r", body.get("model"), str(exc)[:200])
+            return None
+        return PromptTokens(tuple(ids), cache_salt=salt) if ids else None

@@ -15,6 +15,7 @@ from typing import Any, Mapping, Sequence
 import xxhash
 
 from protocol import chunk_hashes, namespace_seed, render_request, session_hash
+from router.routing.precise import PromptTokens
 
 MAX_SESSION_KEY_CHARS = 256
 DEFAULT_RING_KEY_CHUNKS = 8
@@ -30,6 +31,8 @@ class PromptKey:
     ring_key: int
     session_key: str | None = None
     chat: bool = False
+    tokens: PromptTokens | None = None  # the backend tokenizer's ids, where the router has one
+    known_cached: dict[str, int] | None = None  # exact cached tokens of precise backends (set by decide)
 
     @property
     def ratio_key(self) -> str:

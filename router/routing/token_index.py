@@ -141,10 +141,9 @@ class TokenBlockIndex:
         b = self._backends.setdefault(backend, _Backend())
         outcome = Applied.APPLIED
         if b.last_seq is None:
-            if b.state is SyncState.UNKNOWN:
-                b.state = SyncState.SYNCHRONISED if batch.seq == 0 else SyncState.UNSYNCHRONISED
-            elif batch.seq == 0:
-                b.state = SyncState.SYNCHRONISED
+            # the first batch since we knew nothing, or since an empty replay: only seq 0 proves
+            # that nothing was missed
+            b.state = SyncState.SYNCHRONISED if batch.seq == 0 else SyncState.UNSYNCHRONISED
         elif batch.seq <= b.last_seq:
             if batch.seq != 0:
                 return Applied.DUPLICATE
@@ -167,9 +166,14 @@ class TokenBlockIndex:
         """Rebuild ``backend`` from a replay of its whole stream (seq 0 on, contiguous).
 
         Returns False, changing nothing, when ``history`` does not start at 0 or has a hole: the
-        replay buffer no longer holds the beginning, and the backend stays unsynchronised.
+        replay buffer no longer holds the beginning, and the backend stays unsynchronised. An
+        empty history (the engine never published) is a synchronised, empty backend.
         """
-        if not history or history[0].seq != 0:
+        if not history:
+            old = self._backends.get(backend)
+            self._backends[backend] = _Backend(state=SyncState.SYNCHRONISED, gaps=old.gaps if old else 0)
+            return True
+        if history[0].seq != 0:
             return False
         if any(later.seq != earlier.seq + 1 for earlier, later in zip(history, history[1:])):
             return False

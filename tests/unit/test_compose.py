@@ -21,10 +21,11 @@ import yaml
 
 from tests.deploy_support import (
     COMPOSE_FILE, command_flags, compose_binary, flags_used, load_router_config, load_server_config,
+    vllm_server_settings,
 )
 from tests.support import ROOT
 
-PROFILES = {"default": [], "observability": ["--profile", "observability"]}
+PROFILES = {"default": [], "observability": ["--profile", "observability"], "vllm": ["--profile", "vllm"]}
 
 
 # What an operator puts in .env to close the stack (docker-compose.yml's header lists them).
@@ -227,3 +228,122 @@ def test_grafana_is_provisioned_with_the_prometheus_datasource_and_the_dashboard
     dashboard = json.loads((ROOT / "deploy/grafana/dashboards/prefixlb.json").read_text())
     uids = {t.get("datasource", {}).get("uid") for p in dashboard["panels"] for t in p.get("targets", [])}
     assert uids <= {datasource["uid"], "${datasource}"}
+
+
+# ---- profile vllm: a router in front of two unmodified vLLM servers ----
+
+VLLM_SERVERS = ("vllm-1", "vllm-2")
+
+
+def _vllm_services(resolved: dict) -> dict[str, dict]:
+    return {n: s for n, s in resolved["vllm"]["services"].items() if n not in resolved["default"]["services"]}
+
+
+def _kv_config(service: dict) -> dict:
+    argv = service["command"]
+    return json.loads(argv[argv.index("--kv-events-config") + 1])
+
+
+def _volume(service: dict, target: str) -> dict:
+    return next(v for v in service["volumes"] if v["target"] == target)
+
+
+def test_vllm_profile_is_a_checkpoint_writer_two_vllm_servers_and_a_router(resolved):
+    assert sorted(_vllm_services(resolved)) == ["router-vllm", "vllm-1", "vllm-2", "vllm-model"]
+    # `up router-vllm` starts the whole profile: the router depends on everything else in it.
+    assert sorted(_vllm_services(resolved)["router-vllm"]["depends_on"]) == ["vllm-1", "vllm-2", "vllm-model"]
+
+
+def test_the_vllm_servers_serve_the_checkpoint_the_model_service_writes(resolved):
+    services = _vllm_services(resolved)
+    writer = services["vllm-model"]
+    assert writer["entrypoint"] + writer["command"] == ["prefixlb", "model", "save", "tiny", "/models/tiny"]
+    assert writer["image"] == resolved["default"]["services"]["worker-1"]["image"]  # the CPU worker image
+    volume = _volume(writer, "/models")["source"]
+    for name in VLLM_SERVERS:
+        server = services[name]
+        assert server["depends_on"]["vllm-model"]["condition"] == "service_completed_successfully"
+        assert _volume(server, "/models") == {**_volume(writer, "/models"), "read_only": True}
+        argv = server["command"]
+        assert argv[argv.index("--model") + 1] == "/models/tiny" and _volume(server, "/models")["source"] == volume
+        assert server["image"].startswith("vllm/vllm-openai-cpu:")
+
+
+def test_every_vllm_server_runs_with_the_flags_the_router_needs(resolved):
+    from router.fleet.kv_subscriber import DEFAULT_TOPIC
+
+    for name in VLLM_SERVERS:
+        server = _vllm_services(resolved)[name]
+        assert server["entrypoint"] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+        argv = server["command"]
+        assert {"--enable-prefix-caching", "--enable-prompt-tokens-details"} <= set(argv)
+        assert _kv_config(server) == {"enable_kv_cache_events": True, "publisher": "zmq", "topic": DEFAULT_TOPIC,
+                                      "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}
+    parsed = vllm_server_settings(_vllm_services(resolved)["vllm-1"]["command"])
+    if parsed is None:
+        pytest.skip("no .venv-vllm (make vllm): vLLM's own parser not run")
+    assert (parsed["host"], parsed["port"], parsed["served_model_name"]) == ("0.0.0.0", 8000, ["tiny"])
+    assert parsed["enable_prefix_caching"] is True and parsed["enable_prompt_tokens_details"] is True
+    assert {k: parsed["kv_events_config"][k] for k in _kv_config(_vllm_services(resolved)["vllm-1"])} == \
+        _kv_config(_vllm_services(resolved)["vllm-1"])
+
+
+def test_the_vllm_router_names_each_server_with_kind_vllm_and_the_sockets_it_publishes_on(resolved):
+    from router.config import check_router_config
+    from router.fleet.backends import parse_worker_spec
+    from router.fleet.worker_url import InvalidWorkerURL, WorkerURLPolicy
+
+    services = _vllm_services(resolved)
+    router = services["router-vllm"]
+    assert sorted(set(flags_used(router["command"])) - command_flags("router")) == []
+    cfg = load_router_config(router["command"], environ=router["environment"])
+    check_router_config(cfg)
+    specs = {urlparse(s.url).hostname: s for s in map(parse_worker_spec, cfg.workers)}
+    assert sorted(specs) == list(VLLM_SERVERS)
+    policy = WorkerURLPolicy(cfg.worker_allow)
+    for name, spec in specs.items():
+        server = services[name]
+        kv = _kv_config(server)
+        argv = server["command"]
+        assert (spec.kind, spec.url) == ("vllm", f"http://{name}:{argv[argv.index('--port') + 1]}")
+        # The router connects where the server binds: its service name, the port of each endpoint.
+        assert spec.kv_events == kv["endpoint"].replace("*", name)
+        assert spec.kv_replay == kv["replay_endpoint"].replace("*", name)
+        assert policy.check(spec.url) == spec.url
+        policy.check_host(name)
+    with pytest.raises(InvalidWorkerURL):
+        policy.check("http://redis:6379")
+    assert cfg.redis is None  # the router reads the servers' events itself
+
+
+def test_the_vllm_router_tokenizes_with_the_checkpoint_the_servers_serve(resolved):
+    services = _vllm_services(resolved)
+    router = services["router-vllm"]
+    cfg = load_router_config(router["command"], environ=router["environment"])
+    (entry,) = cfg.tokenizers
+    model, directory = entry.split("=", 1)
+    for name in VLLM_SERVERS:
+        argv = services[name]["command"]
+        assert argv[argv.index("--served-model-name") + 1] == model  # requests name it so
+        assert argv[argv.index("--model") + 1] == directory
+    assert _volume(router, "/models") == _volume(services["vllm-1"], "/models")  # the same volume, read-only
+    # --tokenizer needs the engines extra: the router is built with it, and the image's two
+    # requirement files hold all that `pip install prefixlb[k8s,engines]` installs.
+    assert router["build"]["dockerfile"] == "docker/Dockerfile.router" and router["build"]["args"] == {"ENGINES": "true"}
+    from tests.packaging_support import closure, declared_requirements, normalize
+
+    pins = set()
+    for name in ("requirements-router.txt", "requirements-router-engines.txt"):
+        for line in (ROOT / "docker" / name).read_text().splitlines():
+            if line.strip() and not line.startswith("#"):
+                pins.add(normalize(line.split("==")[0]))
+    assert sorted(closure(declared_requirements(("k8s", "engines"))) - pins) == []
+    assert "torch" not in pins
+
+
+def test_the_vllm_router_does_not_take_the_default_routers_ports(resolved):
+    published = {p["published"] for s in resolved["vllm"]["services"].values() for p in s.get("ports", [])}
+    router_ports = [p["published"] for p in _vllm_services(resolved)["router-vllm"]["ports"]]
+    assert router_ports == ["8010"]
+    assert len(published) == len([p for s in resolved["vllm"]["services"].values() for p in s.get("ports", [])])
+

@@ -1,7 +1,8 @@
 {{/*
-Container arguments: values -> `prefixlb router` / `prefixlb worker` flags. The entrypoint of
-each image is the command itself, so these are only flags. tests/unit/test_helm_chart.py checks
-that every flag rendered here is one the command really accepts.
+Container arguments: values -> `prefixlb router` / `prefixlb worker` flags, and the vLLM servers'
+flags. The entrypoint of each prefixlb image is the command itself, so these are only flags.
+tests/unit/test_helm_chart.py checks that every flag rendered here is one the command really
+accepts; tests/unit/test_helm_vllm.py parses the vLLM flags with vLLM's own parser.
 */}}
 
 {{/*
@@ -91,6 +92,15 @@ whole numbers are printed as integers.
 {{- range $r.extraWorkers -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--worker" "value" .) -}}
 {{- end -}}
+{{- range $r.workers -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--worker" "value" (include "prefixlb.workerSpec" .)) -}}
+{{- end -}}
+{{- range (include "prefixlb.vllmWorkerSpecs" . | fromYamlArray) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--worker" "value" .) -}}
+{{- end -}}
+{{- range $r.tokenizers -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--tokenizer" "value" (printf "%s=%s" .model .path)) -}}
+{{- end -}}
 {{- if $r.workerAllow -}}
 {{- range $r.workerAllow -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--worker-allow" "value" .) -}}
@@ -102,6 +112,21 @@ whole numbers are printed as integers.
 {{- end -}}
 {{- range $r.extraWorkers -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--worker-allow" "value" (urlParse .).host) -}}
+{{- end -}}
+{{- /* router.workers: the URL's host:port, and a KV-event socket's when it is on another host
+(the router checks a KV-event host against the allow-list without its port). */ -}}
+{{- range $r.workers -}}
+{{- $url := urlParse .url -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--worker-allow" "value" $url.host) -}}
+{{- range $endpoint := list .kvEvents .kvReplay -}}
+{{- if and $endpoint (ne (urlParse $endpoint).hostname $url.hostname) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--worker-allow" "value" (urlParse $endpoint).host) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- if .Values.vllm.enabled -}}
+{{- $pattern := printf "*.%s-headless.%s.svc:%d" (include "prefixlb.vllmName" $) $.Release.Namespace (int $.Values.vllm.port) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--worker-allow" "value" $pattern) -}}
 {{- end -}}
 {{- end -}}
 {{- toYaml (concat $acc.args $r.extraArgs) -}}
@@ -147,4 +172,64 @@ whole numbers are printed as integers.
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--advertise" "value" (printf "http://$(POD_IP):%d" (int $w.port))) -}}
 {{- end -}}
 {{- toYaml (concat $acc.args $w.extraArgs) -}}
+{{- end -}}
+
+{{/*
+One router.workers entry ({url, kind, kvEvents, kvReplay}) as the router's worker spec
+`[KIND=]URL[,kv-events=ENDPOINT][,kv-replay=ENDPOINT]` (router/fleet/backends.py).
+*/}}
+{{- define "prefixlb.workerSpec" -}}
+{{- $spec := .url -}}
+{{- if .kind -}}{{- $spec = printf "%s=%s" .kind $spec -}}{{- end -}}
+{{- if .kvEvents -}}{{- $spec = printf "%s,kv-events=%s" $spec .kvEvents -}}{{- end -}}
+{{- if .kvReplay -}}{{- $spec = printf "%s,kv-replay=%s" $spec .kvReplay -}}{{- end -}}
+{{- $spec -}}
+{{- end -}}
+
+{{/*
+The worker specs of the chart's vLLM pods (a YAML list; empty unless vllm.enabled): each pod by
+its stable DNS name under the headless Service, with its KV-event sockets when they are on.
+*/}}
+{{- define "prefixlb.vllmWorkerSpecs" -}}
+{{- $specs := list -}}
+{{- if .Values.vllm.enabled -}}
+{{- $v := .Values.vllm -}}
+{{- $name := include "prefixlb.vllmName" . -}}
+{{- range $i := until (int $v.replicas) -}}
+{{- $host := printf "%s-%d.%s-headless.%s.svc" $name $i $name $.Release.Namespace -}}
+{{- $entry := dict "url" (printf "http://%s:%d" $host (int $v.port)) "kind" "vllm" -}}
+{{- if $v.kvEvents.enabled -}}
+{{- $_ := set $entry "kvEvents" (printf "tcp://%s:%d" $host (int $v.kvEvents.port)) -}}
+{{- $_ := set $entry "kvReplay" (printf "tcp://%s:%d" $host (int $v.kvEvents.replayPort)) -}}
+{{- end -}}
+{{- $specs = append $specs (include "prefixlb.workerSpec" $entry) -}}
+{{- end -}}
+{{- end -}}
+{{- toYaml $specs -}}
+{{- end -}}
+
+{{/*
+`python -m vllm.entrypoints.openai.api_server` flags: the model, where to listen, the two flags
+the router needs (prefix caching; cached_tokens in usage), the KV-event publisher and its replay
+socket on every interface, the sizing knobs set, then vllm.extraArgs.
+*/}}
+{{- define "prefixlb.vllmArgs" -}}
+{{- $v := .Values.vllm -}}
+{{- if not $v.model -}}
+{{- fail "vllm.model: set the Hugging Face model id or checkpoint directory the vLLM servers serve" -}}
+{{- end -}}
+{{- $acc := dict "args" (list (printf "--model=%s" $v.model)) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--served-model-name" "value" $v.servedModelName) -}}
+{{- $_ := set $acc "args" (concat $acc.args (list "--host=0.0.0.0" (printf "--port=%d" (int $v.port))
+    "--enable-prefix-caching" "--enable-prompt-tokens-details")) -}}
+{{- if $v.kvEvents.enabled -}}
+{{- $config := dict "enable_kv_cache_events" true "publisher" "zmq" "topic" "kv"
+    "endpoint" (printf "tcp://*:%d" (int $v.kvEvents.port))
+    "replay_endpoint" (printf "tcp://*:%d" (int $v.kvEvents.replayPort)) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--kv-events-config" "value" (toJson $config)) -}}
+{{- end -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--max-model-len" "value" $v.maxModelLen) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--gpu-memory-utilization" "value" $v.gpuMemoryUtilization) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--tensor-parallel-size" "value" $v.tensorParallelSize) -}}
+{{- toYaml (concat $acc.args $v.extraArgs) -}}
 {{- end -}}

@@ -48,6 +48,7 @@ app.kubernetes.io/component: {{ .component }}
 {{- define "prefixlb.routerName" -}}{{ include "prefixlb.fullname" . }}-router{{- end -}}
 {{- define "prefixlb.workerName" -}}{{ include "prefixlb.fullname" . }}-worker{{- end -}}
 {{- define "prefixlb.redisName" -}}{{ include "prefixlb.fullname" . }}-redis{{- end -}}
+{{- define "prefixlb.vllmName" -}}{{ include "prefixlb.fullname" . }}-vllm{{- end -}}
 
 {{- define "prefixlb.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create -}}
