@@ -30,6 +30,7 @@ import time
 import aiohttp
 
 from protocol import LoadReport, MessageError
+from router.fleet.background import cancel_and_wait
 from router.fleet.backends import ENGINE_KINDS, OPENAI, PREFIXLB
 from router.fleet.engine_metrics import (EngineMetricsError, EngineScrape, detect_kind, load_report,
                                          mean_prompt_tokens, parse_engine_metrics)
@@ -88,11 +89,7 @@ class HealthChecker:
         session, self._session = self._session, None  # no new probe loop from here on (see _start)
         tasks = list(self._tasks.values())
         self._tasks.clear()
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_and_wait(tasks)
         if session is not None:
             await session.close()
 

@@ -23,7 +23,6 @@ never outlive it here either.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
+from router.fleet.background import cancel_and_wait
 from router.routing.precise import PreciseIndex
 from router.routing.token_index import Applied, SyncState
 from router.routing.vllm_kv_events import KVEventBatch, KVEventDecodeError, decode_frames, replay_request
@@ -98,11 +98,7 @@ class KVEventSubscriber:
         """Cancel every subscription and close the sockets."""
         tasks = list(self._tasks.values())
         self._tasks.clear()
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_and_wait(tasks)
         if self._context is not None:
             self._context.destroy(linger=0)
             self._context = None

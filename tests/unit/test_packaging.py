@@ -36,6 +36,9 @@ BENCH_OUTSIDE_EXTRAS = {
     "transformers": {"bench/engine.py"},
     # cuda-python's driver bindings, optional (``except Exception``) in the GPU kernel sweep
     "<no installed distribution: cuda>": {"bench/kernels_sweep.py"},
+    # the official client, driving routers in front of real vLLM servers as a user would; that
+    # benchmark needs `make vllm` and the test extra anyway
+    "openai": {"bench/real_engines.py"},
 }
 
 
