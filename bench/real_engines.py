@@ -10,9 +10,10 @@ started in front of them and driven by the same multi-turn workload, with prompt
 - ``concurrency`` conversations in flight, streaming chat completions, ``max_tokens`` 16.
 
 Reported per router, from what vLLM itself says: hit rate = Σ ``cached_tokens`` / Σ
-``prompt_tokens``, the share of the ideal (every token a one-server cache could have served:
-Σ over requests of what the same server saw before, computed from the prompts), TTFT p50 / p90
-over the router, errors. Run::
+``prompt_tokens``, and its share of the ideal: the same workload sent straight to one server,
+whose cache then holds every prefix the run saw (row ``ideal:one-server``; its TTFT is not a
+bound, one server takes all the load); TTFT p50 / p90 over the router; errors. ``--rounds``
+repeats the whole list (the machine is noisy: compare rounds). Run::
 
     .venv/bin/python -m bench.real_engines --out bench-real-engines.json
 
@@ -42,6 +43,8 @@ MODEL = "tiny"
 
 
 def _router(kind: str, servers, checkpoint: Path, log_dir: Path):
+    if kind == IDEAL:  # no router: one server holds every prefix the run ever saw
+        return None, servers[0].url
     port = free_port()
     if kind.startswith("prefixlb"):
         args = [sys.executable, "-m", "prefixlb", "router", "--port", str(port), "--health-interval", "0.5"]
@@ -117,7 +120,8 @@ def run_one(kind: str, servers, checkpoint: Path, log_dir: Path, groups: int, co
                        for r in rs]
         wall = time.perf_counter() - started
     finally:
-        stop_group(proc, 10) if kind.startswith("prefixlb") else stop_peer(proc)
+        if proc is not None:
+            stop_group(proc, 10) if kind.startswith("prefixlb") else stop_peer(proc)
     ok = [r for r in results if "error" not in r]
     ttfts = sorted(r["ttft"] for r in ok)
     prompt = sum(r["prompt_tokens"] for r in ok)
@@ -128,7 +132,8 @@ def run_one(kind: str, servers, checkpoint: Path, log_dir: Path, groups: int, co
             "ttft_p90_s": ttfts[int(0.9 * (len(ttfts) - 1))] if ttfts else None, "wall_s": wall}
 
 
-ROUTERS = ("prefixlb-approx", "prefixlb-precise", "sglang-router:cache_aware", "vllm-router:cache_aware",
+IDEAL = "ideal:one-server"
+ROUTERS = (IDEAL, "prefixlb-approx", "prefixlb-precise", "sglang-router:cache_aware", "vllm-router:cache_aware",
            "vllm-router:round_robin")
 
 
@@ -136,11 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.real_engines", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--routers", nargs="*", default=list(ROUTERS))
-    parser.add_argument("--groups", type=int, default=4)
+    parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--convs", type=int, default=4)
-    parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="prefixlb-real-engines-"))
@@ -155,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         deadline = time.monotonic() + 600
         for s in servers:
             s.wait_ready(deadline)
-        for kind in args.routers:
+        for kind in [k for _ in range(args.rounds) for k in args.routers]:
             try:
                 row = run_one(kind, servers, checkpoint, work, args.groups, args.convs, args.turns,
                               args.concurrency, args.max_tokens)
@@ -166,13 +172,16 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s in servers:
             s.stop()
-    print("\n| router | requests | errors | hit rate | TTFT p50 (s) | p90 (s) | wall (s) |\n|---|---|---|---|---|---|---|")
+    ideal = statistics.mean([r["hit_rate"] for r in rows if r["router"] == IDEAL and "hit_rate" in r] or [0.0])
+    print("\n| router | requests | errors | hit rate | of ideal | TTFT p50 (s) | p90 (s) | wall (s) |\n"
+          "|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "skipped" in r:
-            print(f"| {r['router']} | skipped: {r['skipped']} | | | | | |")
+            print(f"| {r['router']} | skipped: {r['skipped']} | | | | | | |")
             continue
-        print(f"| {r['router']} | {r['requests']} | {r['errors']} | {r['hit_rate']:.3f} | {r['ttft_p50_s']:.3f} | "
-              f"{r['ttft_p90_s']:.3f} | {r['wall_s']:.1f} |")
+        r["of_ideal"] = r["hit_rate"] / ideal if ideal else None
+        print(f"| {r['router']} | {r['requests']} | {r['errors']} | {r['hit_rate']:.3f} | "
+              f"{r['of_ideal']:.3f} | {r['ttft_p50_s']:.3f} | {r['ttft_p90_s']:.3f} | {r['wall_s']:.1f} |")
     if args.out:
         args.out.write_text(json.dumps({"config": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=2))
     return 0

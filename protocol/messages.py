@@ -6,8 +6,12 @@ ignored so that newer workers can talk to older routers and the other way round)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import math
 import time
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -20,11 +24,88 @@ class MessageError(ValueError):
     """A message could not be decoded (wrong types, missing fields)."""
 
 
+STATUSES = ("ready", "draining")
+
+
+# What a decoded message may hold (design.md section 8, "Trust"): everything a worker or Redis
+# sends is input. Integers are in [0, 2^63) unless a field says otherwise, floats finite, text
+# bounded and free of control characters, containers bounded. A message outside its schema is
+# refused whole (MessageError): the caller drops it and counts it.
+MAX_INT = 2**63 - 1
+MAX_HASH = 2**64 - 1
+MAX_TEXT = 2048  # URLs
+MAX_NAME = 256  # ids, model and adapter names, statuses
+MAX_ITEMS = 4096  # entries of a list or map field (KVEvent.hashes has its own bound)
+MAX_HASHES = 65536
+
+
+def _text_ok(value: Any, limit: int) -> bool:
+    return (isinstance(value, str) and len(value) <= limit
+            and not any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 for c in value))
+
+
+def _number(cls_name: str, name: str, value: Any, kind: type, bounds: tuple[float, float] | None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+        raise MessageError(f"{cls_name}.{name}: expected {'a number' if kind is float else 'an integer'}")
+    if kind is float and not math.isfinite(value):
+        raise MessageError(f"{cls_name}.{name}: must be finite")
+    low, high = bounds if bounds is not None else ((0, MAX_INT) if kind is int else (-math.inf, math.inf))
+    if not low <= value <= high:
+        raise MessageError(f"{cls_name}.{name}: {value!r} out of range [{low}, {high}]")
+
+
+def _check_field(cls: type, name: str, hint: Any, value: Any) -> None:
+    """Raise MessageError unless ``value`` fits the field's declared type and bounds."""
+    cls_name = cls.__name__
+    bounds = getattr(cls, "_BOUNDS", {}).get(name)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return
+        hint = next(a for a in args if a is not type(None))
+        origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is int or hint is float:
+        _number(cls_name, name, value, hint, bounds)
+    elif hint is bool:
+        if not isinstance(value, bool):
+            raise MessageError(f"{cls_name}.{name}: expected true or false")
+    elif hint is str:
+        if not _text_ok(value, int(bounds[1]) if bounds else MAX_NAME):
+            raise MessageError(f"{cls_name}.{name}: expected a short text without control characters")
+    elif origin is list:
+        limit = MAX_HASHES if args == (int,) else MAX_ITEMS
+        if not isinstance(value, list) or len(value) > limit:
+            raise MessageError(f"{cls_name}.{name}: expected a list of at most {limit} items")
+        for item in value:
+            if args == (int,):
+                _number(cls_name, name, item, int, bounds or (0, MAX_HASH))
+            elif not _text_ok(item, MAX_NAME):
+                raise MessageError(f"{cls_name}.{name}: expected short texts")
+    elif origin is dict:
+        if not isinstance(value, dict) or len(value) > MAX_ITEMS:
+            raise MessageError(f"{cls_name}.{name}: expected a map of at most {MAX_ITEMS} entries")
+        for key, item in value.items():
+            if not _text_ok(key, MAX_NAME):
+                raise MessageError(f"{cls_name}.{name}: expected short texts as keys")
+            if args[1] is int:
+                _number(cls_name, name, item, int, bounds or (0, 10_000_000))
+            elif not _text_ok(item, MAX_NAME):
+                raise MessageError(f"{cls_name}.{name}: expected short texts as values")
+
+
+@functools.lru_cache(maxsize=None)
+def _schema(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+
+
 def _from_dict(cls: type[T], data: Any) -> T:
     if not isinstance(data, dict):
         raise MessageError(f"{cls.__name__}: expected an object")
-    names = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    kwargs = {k: v for k, v in data.items() if k in names}
+    schema = _schema(cls)
+    kwargs = {k: v for k, v in data.items() if k in schema}
+    for name, value in kwargs.items():
+        _check_field(cls, name, schema[name], value)
     try:
         return cls(**kwargs)
     except TypeError as exc:
@@ -68,6 +149,13 @@ class WorkerInfo(_Message):
     status: str = "ready"  # "ready" | "draining"
     simulated: bool = False
     started_at: float = field(default_factory=time.time)
+
+    _BOUNDS = {"url": (0, MAX_TEXT), "block_size": (1, 1 << 20), "chunk_size": (1, 1 << 20),
+               "capacity_tokens": (0, 1 << 40), "max_num_seqs": (0, 1 << 20)}
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise MessageError(f"WorkerInfo: unknown status {self.status!r}")
 
 
 # The context length at which a prefill token's attention costs as much as its linear work: the
@@ -122,6 +210,19 @@ class LoadReport(_Message):
     lora_disk_load_s: float = 0.0
     lora_slot_load_s: float = 0.0
 
+    # physical ranges: no engine runs a million requests at once or prefills 1e9 tokens a second
+    _BOUNDS = {"running": (0, 1 << 20), "waiting": (0, 1 << 24), "queued_prefill_tokens": (0, 1 << 40),
+               "running_tokens": (0, 1 << 40), "kv_usage": (0.0, 1.0), "free_blocks": (0, 1 << 32),
+               "total_blocks": (0, 1 << 32), "cached_blocks": (0, 1 << 32), "block_size": (0, 1 << 20),
+               "capacity_tokens": (0, 1 << 40), "max_num_seqs": (0, 1 << 20),
+               "max_num_batched_tokens": (0, 1 << 30), "prefill_tokens_per_s": (0.0, 1e9),
+               "decode_step_s": (0.0, 3600.0), "max_loras": (0, 1 << 16), "lora_disk_load_s": (0.0, 3600.0),
+               "lora_slot_load_s": (0.0, 3600.0)}
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise MessageError(f"LoadReport: unknown status {self.status!r}")
+
 
 KV_STORED = "stored"
 KV_REMOVED = "removed"
@@ -146,6 +247,8 @@ class KVEvent(_Message):
     seq: int = 0
     ts: float = field(default_factory=time.time)
     lora_name: str | None = None
+
+    _BOUNDS = {"chunk_size": (1, 1 << 20)}
 
     def __post_init__(self) -> None:
         if self.kind not in KV_EVENT_KINDS:

@@ -84,6 +84,12 @@ class RouterMetrics:
                                          "Answers whose usage had no prompt_tokens_details.cached_tokens: the "
                                          "router cannot correct its prefix index from them (vLLM needs "
                                          "--enable-prompt-tokens-details)", ["worker"], registry=r)
+        self.messages_dropped = Counter("prefixlb_router_messages_dropped_total",
+                                        "Messages from workers or Redis refused by their schema or bound to "
+                                        "the wrong sender, by kind (registration, load_report, kv_event, "
+                                        "snapshot)", ["kind"], registry=r)
+        self.loop_errors = Counter("prefixlb_router_loop_errors_total",
+                                   "Unexpected errors a background loop survived, by loop", ["task"], registry=r)
         self._feedback: dict[str, tuple] = {}
         self._unreported_logged: set[str] = set()
         self._requests: dict[tuple[str, str], Any] = {}

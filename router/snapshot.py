@@ -14,6 +14,7 @@ router predicts cached tokens right from its first request.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from array import array
 from dataclasses import dataclass, field
@@ -35,6 +36,9 @@ class Snapshot:
     chunk_size: int
     ratios: dict[str, float] = field(default_factory=dict)
     entries: list[tuple[int, str, float]] = field(default_factory=list)
+
+
+MAX_WORKERS = 10_000  # worker ids a snapshot may name
 
 
 def encode(entries: Iterable[tuple[int, str, float]], stream_id: str, taken_at: float, chunk_size: int,
@@ -75,6 +79,10 @@ def decode(data: bytes) -> Snapshot:
         raise SnapshotError(f"bad header: {exc}") from exc
     if len(workers) != len(counts):
         raise SnapshotError("bad header: workers and counts differ")
+    if len(workers) > MAX_WORKERS or not all(_worker_id_ok(w) for w in workers):
+        raise SnapshotError("bad header: too many workers, or a worker id that is not a short text")
+    if not math.isfinite(snap.taken_at):
+        raise SnapshotError("bad header: taken_at must be finite")
     offset = newline + 1
     for worker_id, n in zip(workers, counts):
         end = offset + 12 * n
@@ -82,9 +90,14 @@ def decode(data: bytes) -> Snapshot:
             raise SnapshotError("truncated")
         hashes = array("Q", data[offset:offset + 8 * n])
         ttls = array("f", data[offset + 8 * n:end])
-        snap.entries.extend(zip(_little_endian(hashes), [worker_id] * n, _little_endian(ttls)))
+        snap.entries.extend((h, worker_id, ttl) for h, ttl in zip(_little_endian(hashes), _little_endian(ttls))
+                            if math.isfinite(ttl))
         offset = end
     return snap
+
+
+def _worker_id_ok(worker_id: str) -> bool:
+    return 0 < len(worker_id) <= 256 and not any(ord(c) < 0x20 or ord(c) == 0x7F for c in worker_id)
 
 
 def _little_endian(values: array) -> array:

@@ -51,6 +51,7 @@ READ_COUNT = 1000
 SNAPSHOT_SLICE = 5000  # index entries copied between two yields to the event loop
 BACKOFF_S = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
 REDIS_SOURCE = "redis"
+MAX_REGISTERED = 10_000  # self-registered workers read from Redis at most (a registry size cap)
 DRAINS_TTL_S = 7 * 24 * 3600  # an admin drain nobody renewed or cancelled for a week is forgotten
 
 
@@ -79,6 +80,7 @@ class RedisState:
         self._tasks: list[asyncio.Task] = []
         self._closing = False
         self._down: set[str] = set()
+        self._registered: set[str] = set()  # worker ids registered in Redis at the last registry sync
         self._snapshot_now = asyncio.Event()
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -130,9 +132,9 @@ class RedisState:
     async def sync(self) -> None:
         """Load the snapshot, replay the stream to its end, read the registry."""
         await self.load_snapshot()
+        await self.sync_registry()  # first: events are applied only for registered workers
         while await self.read_events(block_ms=None):
             pass
-        await self.sync_registry()
 
     async def resync(self) -> str:
         """After an outage: make sure no KV event was missed (see the module docstring).
@@ -184,7 +186,8 @@ class RedisState:
         if not data:
             return False
         try:
-            snap = decode(data)
+            # off the event loop: a snapshot of a large index takes a while to unpack
+            snap = await asyncio.to_thread(decode, data)
         except SnapshotError as exc:
             log.warning("event=snapshot_unreadable error=%s", exc)
             return False
@@ -239,8 +242,14 @@ class RedisState:
                     continue
                 try:
                     event = KVEvent.from_json(raw)
-                except MessageError as exc:
-                    log.warning("event=kv_event_unreadable id=%s error=%s", self.last_id, exc)
+                except (MessageError, UnicodeDecodeError, ValueError) as exc:
+                    self._dropped("kv_event", f"id={self.last_id} error={str(exc)[:200]!r}")
+                    continue
+                if (event.worker_id not in self._registered and not self.registry.knows_id(event.worker_id)
+                        and self.balancer.event_sources_full()):
+                    # Events of a worker nobody registered, with the per-source state already at
+                    # its bound: random ids must not grow the router's memory without limit.
+                    self._dropped("kv_event", f"id={self.last_id} unknown worker_id={event.worker_id!r}")
                     continue
                 if self.balancer.apply_kv_event(event, now):
                     self.events_applied += 1
@@ -252,18 +261,22 @@ class RedisState:
         """Self-registered workers join or leave; load reports and shared config are adopted."""
         assert self._client is not None
         client = self._client
-        ids = [i.decode() if isinstance(i, bytes) else str(i) for i in await client.zrange(self.keys.workers, 0, -1)]
+        ids = [i.decode() if isinstance(i, bytes) else str(i)
+               for i in await client.zrange(self.keys.workers, 0, MAX_REGISTERED - 1)]
+        self._registered = set(ids)
         infos: dict[str, WorkerInfo] = {}
         reports: list[LoadReport] = []
         if ids:
             raw_infos = await client.mget([self.keys.worker(i) for i in ids])
             raw_loads = await client.mget([self.keys.load(i) for i in ids])
             for worker_id, raw_info, raw_load in zip(ids, raw_infos, raw_loads):
-                with contextlib.suppress(MessageError):
-                    if raw_info:
-                        infos[worker_id] = WorkerInfo.from_json(raw_info)
-                    if raw_load:
-                        reports.append(LoadReport.from_json(raw_load))
+                # Bound to the key it was read from: an entry naming another worker is refused.
+                info = self._decode(WorkerInfo, raw_info, worker_id, "registration") if raw_info else None
+                if info is not None:
+                    infos[worker_id] = info
+                report = self._decode(LoadReport, raw_load, worker_id, "load_report") if raw_load else None
+                if report is not None:
+                    reports.append(report)
             gone = [i for i in ids if i not in infos]
             if gone:
                 await client.zrem(self.keys.workers, *gone)
@@ -288,6 +301,22 @@ class RedisState:
             self.balancer.apply_report(report, now)
         await self.sync_drains()
         await self.sync_config()
+
+    def _decode(self, cls: type, raw: Any, worker_id: str, kind: str) -> Any:
+        """A registration or load report read under ``worker_id``'s key, or None (dropped, counted)."""
+        try:
+            message = cls.from_json(raw)
+        except (MessageError, UnicodeDecodeError, ValueError) as exc:
+            self._dropped(kind, f"worker_id={worker_id!r} error={str(exc)[:200]!r}")
+            return None
+        if message.worker_id != worker_id:
+            self._dropped(kind, f"key={worker_id!r} names={message.worker_id!r}")
+            return None
+        return message
+
+    def _dropped(self, kind: str, detail: str) -> None:
+        self.metrics.messages_dropped.labels(kind).inc()
+        log.warning("event=message_dropped kind=%s %s", kind, detail)
 
     async def sync_drains(self) -> None:
         """Drain the workers another router drained (admin API); undrain those it undrained."""
@@ -348,6 +377,10 @@ class RedisState:
                 self._failed(task, exc)
                 await asyncio.sleep(BACKOFF_S[min(failures, len(BACKOFF_S) - 1)])
                 failures += 1
+            except Exception:  # noqa: BLE001 - one bad message or bug must not end the loop
+                self._crashed(task)
+                await asyncio.sleep(BACKOFF_S[min(failures, len(BACKOFF_S) - 1)])
+                failures += 1
 
     async def _events_loop(self) -> None:
         failures = 0
@@ -362,6 +395,10 @@ class RedisState:
                 self._failed("events", exc)
                 await asyncio.sleep(BACKOFF_S[min(failures, len(BACKOFF_S) - 1)])
                 failures += 1
+            except Exception:  # noqa: BLE001 - one bad message or bug must not end the loop
+                self._crashed("events")
+                await asyncio.sleep(BACKOFF_S[min(failures, len(BACKOFF_S) - 1)])
+                failures += 1
 
     async def _snapshot_loop(self) -> None:
         rng = random.Random()
@@ -374,12 +411,18 @@ class RedisState:
                 self._recovered("snapshot")
             except (RedisError, OSError) as exc:
                 self._failed("snapshot", exc)
+            except Exception:  # noqa: BLE001 - one bad entry or bug must not end the loop
+                self._crashed("snapshot")
 
     def _failed(self, task: str, exc: BaseException) -> None:
         self.metrics.redis_errors.labels(task).inc()
         if task not in self._down:
             self._down.add(task)
             log.warning("event=redis_unavailable task=%s error=%r", task, str(exc)[:200])
+
+    def _crashed(self, task: str) -> None:
+        self.metrics.loop_errors.labels(task).inc()
+        log.exception("event=loop_error task=%s (the loop goes on)", task)
 
     def _recovered(self, task: str) -> None:
         if task in self._down:

@@ -29,6 +29,7 @@ proxy reports request outcomes; all report here.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
@@ -129,6 +130,10 @@ class WorkerRegistry:
     def get(self, key: str) -> Worker | None:
         """A worker by id, or by URL."""
         return self._by_id.get(key) or self._by_url.get(key.rstrip("/"))
+
+    def knows_id(self, worker_id: str) -> bool:
+        """True for the id of a worker this registry knows."""
+        return worker_id in self._by_id
 
     def url_of(self, worker_id: str) -> str | None:
         """The base URL of ``worker_id``."""
@@ -251,6 +256,9 @@ class WorkerRegistry:
             w.models = tuple(models)
         elif info is not None and info.model and info.model not in w.models:
             w.models = w.models + (info.model,)
+        if report is not None and report.worker_id != worker_id:
+            # A report is about the worker that was probed, whatever id it names.
+            report = dataclasses.replace(report, worker_id=worker_id)
         block_size = report.block_size if report else (info.block_size if info else None)
         max_num_seqs = report.max_num_seqs if report else (info.max_num_seqs if info else None)
         if worker_id not in self.balancer.board:

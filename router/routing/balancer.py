@@ -45,6 +45,7 @@ KV events (an unmodified vLLM / SGLang backend), reported hits also confirm entr
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from typing import AbstractSet, Mapping
 
@@ -60,6 +61,12 @@ from router.routing.ring import DEFAULT_VNODES, WorkerRing
 
 
 DEFAULT_TOKENS_PER_BYTE = 0.25  # until learned: about 4 bytes per token, typical of BPE on English
+# A tokenizer makes at most one token per byte (byte-level fallback), plus what a chat template
+# adds around short messages; no tokenizer packs more than 64 bytes into a token on real text.
+MIN_TOKENS_PER_BYTE, MAX_TOKENS_PER_BYTE = 1 / 64, 4.0
+MAX_RATIOS = 10_000  # learned ratio keys (model x endpoint) kept at most
+MAX_RATIO_KEY = 300
+MAX_EVENT_SOURCES = 10_000  # workers whose KV events are tracked at most
 DEFAULT_FEEDBACK_CLEAR_AFTER = 3
 
 
@@ -140,6 +147,8 @@ class Balancer:
         self.board.remove_worker(worker_id)
         self.index.forget_worker(worker_id)
         self._miss_streak.pop(worker_id, None)
+        self._event_sources.discard(worker_id)
+        self._last_seq.pop(worker_id, None)
         self._rr_order = tuple(sorted(self.ring.members))
 
     def routable(self) -> list[str]:
@@ -163,14 +172,17 @@ class Balancer:
     def load_token_ratios(self, ratios: dict[str, float]) -> None:
         """Adopt learned ratios (from a snapshot) for models this router has not seen yet."""
         for model, ratio in ratios.items():
-            if isinstance(ratio, (int, float)) and ratio > 0:
-                self._ratios.setdefault(str(model), float(ratio))
+            if (isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and math.isfinite(ratio)
+                    and isinstance(model, str) and len(model) <= MAX_RATIO_KEY and len(self._ratios) < MAX_RATIOS):
+                self._ratios.setdefault(model, min(MAX_TOKENS_PER_BYTE, max(MIN_TOKENS_PER_BYTE, float(ratio))))
 
     def observe_prompt_tokens(self, key: str, num_bytes: int, prompt_tokens: int) -> None:
         """Learn from a worker's reported ``prompt_tokens`` for a rendering of ``num_bytes``."""
-        if num_bytes <= 0 or prompt_tokens <= 0:
+        if num_bytes <= 0 or prompt_tokens <= 0 or (key not in self._ratios and len(self._ratios) >= MAX_RATIOS):
             return
-        ratio = prompt_tokens / num_bytes
+        # Clamped to what a tokenizer can do: a usage block claiming 10^310 tokens (or 0.0001 per
+        # byte) is not evidence, and one bad answer must not poison every later decision.
+        ratio = min(MAX_TOKENS_PER_BYTE, max(MIN_TOKENS_PER_BYTE, prompt_tokens / num_bytes))
         old = self._ratios.get(key)
         a = self.tokens_per_byte_alpha
         self._ratios[key] = ratio if old is None else old + a * (ratio - old)
@@ -344,6 +356,10 @@ class Balancer:
             if covered:
                 self.index.insert(prompt.hashes[:covered], worker_id, now, confirmed=True)
             self.index.insert(prompt.hashes[covered:], worker_id, now, confirmed=False)
+
+    def event_sources_full(self) -> bool:
+        """True when ``MAX_EVENT_SOURCES`` workers have sent KV events: a new id is not taken on."""
+        return len(self._event_sources) >= MAX_EVENT_SOURCES
 
     def apply_kv_event(self, event: KVEvent, now: float) -> bool:
         """Apply a worker's KV event; False if it was ignored (another chunk size)."""

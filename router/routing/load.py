@@ -42,6 +42,20 @@ from dataclasses import dataclass, field
 from protocol import LoadReport
 
 
+# What any one engine replica can do (H100 class and well beyond): reports outside are clamped.
+MIN_PREFILL_TOKENS_PER_S, MAX_PREFILL_TOKENS_PER_S = 1.0, 2_000_000.0
+MIN_DECODE_STEP_S, MAX_DECODE_STEP_S = 1e-4, 60.0
+MAX_NUM_SEQS = 4096
+RATE_CAP_FACTOR = 4.0  # a worker's prefill speed is believed up to this many times the fleet's median
+
+
+def _clamp(value: float, low: float, high: float) -> float:
+    """``value`` within [low, high]; 0 (or less, or NaN) stays 0: "not measured"."""
+    if not value > 0:
+        return 0.0
+    return low if value < low else high if value > high else value
+
+
 @dataclass(slots=True)
 class SpeedProfile:
     """A worker's speed before it has measured (and fallbacks for zeros in reports)."""
@@ -140,6 +154,7 @@ class LoadBoard:
         self._heap: list[tuple[float, int, str]] = []
         self._counter = itertools.count()
         self.total_in_system = 0
+        self._cap_rate, self._cap_rate_at = math.inf, -math.inf
 
     # -- membership ---------------------------------------------------------------------------
     def add_worker(self, worker_id: str, block_size: int | None = None,
@@ -228,12 +243,16 @@ class LoadBoard:
         if at < w.report_at:
             return False
         p = self.profile
-        w.prefill_tokens_per_s = report.prefill_tokens_per_s or w.prefill_tokens_per_s or p.prefill_tokens_per_s
-        w.decode_step_s = report.decode_step_s or w.decode_step_s
+        # Clamped to physical ranges (a report is input: protocol/messages.py bounds its types, and
+        # these bounds keep one worker's claims from making it look free or bottomless).
+        w.prefill_tokens_per_s = min(_clamp(report.prefill_tokens_per_s, MIN_PREFILL_TOKENS_PER_S,
+                                            MAX_PREFILL_TOKENS_PER_S) or w.prefill_tokens_per_s or p.prefill_tokens_per_s,
+                                     self._rate_cap(now))
+        w.decode_step_s = _clamp(report.decode_step_s, MIN_DECODE_STEP_S, MAX_DECODE_STEP_S) or w.decode_step_s
         w.max_num_batched_tokens = report.max_num_batched_tokens or w.max_num_batched_tokens
         if report.max_num_seqs:
-            w.max_num_seqs = report.max_num_seqs
-            w.max_inflight = self._limit(report.max_num_seqs)
+            w.max_num_seqs = min(report.max_num_seqs, MAX_NUM_SEQS)
+            w.max_inflight = self._limit(w.max_num_seqs)
         w.block_size = report.block_size or w.block_size
         w.capacity_tokens = report.capacity_tokens or w.capacity_tokens
         w.reported_running_tokens = report.running_tokens
@@ -317,6 +336,16 @@ class LoadBoard:
             self._recount(w)
 
     # -- internals ---------------------------------------------------------------------------
+    def _rate_cap(self, now: float) -> float:
+        """The fastest prefill a worker may claim: ``RATE_CAP_FACTOR`` x the fleet's lower median
+        (recomputed at most once a second). A heterogeneous fleet differs by a few times; a
+        worker claiming far more is not believed beyond that."""
+        if now - self._cap_rate_at >= 1.0 or now < self._cap_rate_at:
+            rates = sorted(w.prefill_tokens_per_s for w in self._workers.values())
+            self._cap_rate = RATE_CAP_FACTOR * rates[(len(rates) - 1) // 2] if len(rates) >= 2 else math.inf
+            self._cap_rate_at = now
+        return self._cap_rate
+
     def _limit(self, max_num_seqs: int) -> int:
         return self.max_inflight if self.max_inflight > 0 else 2 * max(1, max_num_seqs)
 

@@ -132,15 +132,28 @@ def test_the_fair_share_wait_is_one_slot_turnover_per_request_beyond_the_share()
 
 
 def test_beyond_its_fair_share_a_worker_keeps_long_exclusive_prefixes_but_not_short_ones():
-    # A holds 10 requests against a share of 3 (20 s each): 8 x 20 / 3 = 53.3 s of fair-share
+    # A holds 5 requests against a share of 3 (20 s each): 3 x 20 / 3 = 20 s of fair-share
     # wait. Its exclusive 900 tokens are worth 16 x 0.9 = 14.4 s; with a 2 s service time the
-    # wait is 5.33 s and A keeps the request; with 20 s it goes to idle B.
+    # wait is 2 s and A keeps the request; with 20 s it goes to idle B.
     for service, expected in ((2.0, "A"), (20.0, "B")):
-        a = cand("A", cached=900, rank=0, in_system=10, service=service)
+        a = cand("A", cached=900, rank=0, in_system=5, service=service)
         b = cand("B", rank=1, service=service)
         decision = choose(req(bound=3), [a, b], LINEAR)
         assert decision.worker_id == expected
-        assert dict(decision.costs)["A"] == pytest.approx(1.0 - 14.4 + 8 * service / 3)
+        assert dict(decision.costs)["A"] == pytest.approx(1.0 - 14.4 + 3 * service / 3)
+
+
+def test_at_twice_its_fair_share_a_worker_takes_nothing_more_whatever_it_holds():
+    # The spill allowance is a hard cap (issue 13: a worker lying about its load or cache cannot
+    # take the fleet): A holds 6 = 2 x the share of 3, so even its exclusive 900 tokens and a
+    # short service time do not bring it this request; B does not compete against it any more.
+    a = cand("A", cached=900, rank=0, in_system=6, service=2.0)
+    b = cand("B", rank=1, service=2.0)
+    decision = choose(req(bound=3), [a, b], LINEAR)
+    assert decision.worker_id == "B" and "A" not in dict(decision.costs)
+    # ...unless every candidate is at the cap: then the cost decides as before
+    b_full = cand("B", rank=1, in_system=6, service=2.0)
+    assert choose(req(bound=3), [a, b_full], LINEAR).worker_id == "A"
 
 
 def test_no_match_anywhere_goes_to_the_ring_owner_among_near_equal_workers():

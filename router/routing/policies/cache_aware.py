@@ -28,6 +28,9 @@ if TYPE_CHECKING:
     from router.routing.prompt import PromptKey
 
 
+FAIR_SHARE_CAP = 2  # in flight on one worker at most: this many times the fleet's fair share
+
+
 @register
 class CacheAware(Policy):
     """Minimise predicted TTFT minus the locality bonus; near-ties go to the key's ring."""
@@ -50,12 +53,17 @@ class CacheAware(Policy):
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate], config: PolicyConfig) -> Decision:
         """The candidate of least cost (see the module docstring); near-ties by ring order."""
         usable = under_limit(candidates)
+        bound = request.load_bound
+        if bound > 0:
+            # The spill allowance is a hard cap: past twice its fair share of requests in flight no
+            # worker takes more, whatever its cache or its reported speed (a worker that lies about
+            # its load cannot take the fleet; bounded-load consistent hashing's guarantee).
+            usable = [c for c in usable if c.in_system < FAIR_SHARE_CAP * bound] or usable
         affinity = config.affinity if request.affinity is None else request.affinity
         weight = locality_weight(affinity)
         shared_weight = min(weight, 1.0)
         knee = config.attention_knee_tokens
         prompt = max(1, request.prompt_tokens)
-        bound = request.load_bound
         # Only a unique longest match holds a part of the prompt that no other candidate could serve
         # from its cache: that exclusive part is what locality weights beyond its physical value. The
         # part others hold too is valued at most as the TTFT it saves, so a popular prefix (a shared
