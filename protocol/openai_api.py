@@ -7,11 +7,12 @@ is judged the same way at the door and at the replica. Every problem raises
     {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens", "code": null}}
 
 A hostile client cannot make validation expensive or crash it: the body size, JSON nesting
-depth, string sizes, list lengths and numbers are all bounded by :class:`RequestLimits`, invalid
-UTF-8 and lone surrogates are refused, and booleans never pass for numbers. Unknown fields are
-ignored (as vLLM does), but known fields whose behaviour we do not implement (penalties,
-``logit_bias``, ``echo``, ...) are refused when set to anything but their neutral value: a
-request is never silently served differently from what it asked.
+depth and node count, string sizes, list lengths and numbers are all bounded by
+:class:`RequestLimits`, invalid UTF-8 and lone surrogates are refused, and booleans never pass
+for numbers. Unknown fields are ignored (as vLLM does) as long as they are small and shallow,
+but known fields whose behaviour we do not implement (penalties, ``logit_bias``, ``echo``, ...)
+are refused when set to anything but their neutral value: a request is never silently served
+differently from what it asked.
 
 The error shape lives in protocol/openai_errors.py and body decoding in protocol/openai_body.py;
 both are re-exported here, the one module callers import.
@@ -23,7 +24,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocol.openai_body import DEFAULT_LIMITS, RequestLimits, parse_json_body
+from protocol.openai_body import DEFAULT_LIMITS, RequestLimits, check_ignored_fields, parse_json_body
 from protocol.openai_errors import (INVALID_REQUEST, NOT_FOUND, SERVER_ERROR, SERVICE_UNAVAILABLE,
                                     OpenAIError, bad_request, body_too_large, error_body,
                                     model_not_found)
@@ -38,6 +39,15 @@ __all__ = [
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1
+
+# The fields validated here; any other may only hold small, shallow containers (check_ignored_fields).
+_COMMON_FIELDS = frozenset({
+    "model", "stream", "stream_options", "user", "session_id", "cache_salt", "lora_adapter", "n", "best_of",
+    "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens", "logprobs",
+    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias"})
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix"}
+CHAT_FIELDS = _COMMON_FIELDS | {"messages", "tools", "tool_choice", "response_format", "max_completion_tokens",
+                                "top_logprobs"}
 
 
 # --------------------------------------------------------------------------- field readers
@@ -287,6 +297,7 @@ def _prompt(body: dict, limits: RequestLimits) -> str | list[int]:
 
 def parse_completion_request(body: dict[str, Any], limits: RequestLimits = DEFAULT_LIMITS) -> CompletionRequest:
     """Validate a completions body (already decoded by :func:`parse_json_body`)."""
+    check_ignored_fields(body, COMPLETION_FIELDS, limits)
     prompt = _prompt(body, limits)
     if _bool(body, "echo"):
         raise bad_request("'echo' is not supported by this server", "echo", "unsupported")
@@ -399,6 +410,7 @@ def parse_chat_request(body: dict[str, Any], limits: RequestLimits = DEFAULT_LIM
     ``max_completion_tokens`` wins over the deprecated ``max_tokens``; ``top_logprobs``
     requires ``logprobs: true``.
     """
+    check_ignored_fields(body, CHAT_FIELDS, limits)
     messages = _messages(body, limits)
     tools = _tools(body, limits)
     _response_format(body)

@@ -1,12 +1,38 @@
-"""Decoding a request body within limits: size (413), UTF-8, JSON, nesting depth, surrogates."""
+"""Decoding a request body within limits: size (413), UTF-8, JSON, nesting depth, node count,
+surrogates.
+
+A hostile body must cost little to refuse. A JSON parser allocates an object per value and a
+walk over the result visits each one, so ``[[],[],...]`` costs ~50x its size in memory and
+~0.4 s of CPU per MiB; the structure of the body is therefore measured on its bytes first (C
+string operations, no objects per value) and the body refused before it is parsed:
+
+* the number of values and keys ("nodes") is bounded by :meth:`RequestLimits.node_budget`,
+  which grows with the body (real requests spend ≥ 4 bytes a node) up to a cap that still fits
+  ``max_prompt_token_ids`` token ids;
+* the nesting depth is bounded by ``max_depth``.
+
+Fields a server does not read may hold containers (clients send ``metadata``, ``modalities``,
+vLLM's extras), but only small and shallow ones (:func:`check_ignored_fields`). Bodies over
+:data:`OFF_LOOP_BYTES` are decoded in a thread (:func:`decode_off_loop`) so the event loop keeps
+serving while a legitimate 16 MiB prompt is parsed.
+"""
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Protocol
+from typing import Any, AsyncIterator, Callable, Collection, Protocol, TypeVar
 
 from protocol.openai_errors import OpenAIError, bad_request, body_too_large
+
+T = TypeVar("T")
+
+OFF_LOOP_BYTES = 1024 * 1024
+_NOT_TOKENS = bytes(b for b in range(256) if b not in b'"[]{},:')
+_OBJECTS_AS_LISTS = bytes.maketrans(b"{}", b"[]")
+# A \uD800-\uDFFF escape; only these can decode to a lone surrogate (raw UTF-8 cannot carry one).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 class BodyStream(Protocol):
@@ -55,6 +81,14 @@ class RequestLimits:
     max_n: int = 8
     max_logprobs: int = 20
     max_tools: int = 256
+    max_json_nodes: int = 1_048_576 + 65_536  # a max_prompt_token_ids prompt and the rest of a request
+    bytes_per_json_node: int = 4  # below the cap, 4,096 values and keys plus one per this many bytes
+    max_ignored_nodes: int = 16_384  # in all the fields the server does not read (check_ignored_fields)
+    max_ignored_depth: int = 16
+
+    def node_budget(self, body_bytes: int) -> int:
+        """How many JSON values and keys a body of ``body_bytes`` may hold."""
+        return min(self.max_json_nodes, 4096 + body_bytes // self.bytes_per_json_node)
 
 
 DEFAULT_LIMITS = RequestLimits()
@@ -67,13 +101,15 @@ def _reject_constant(name: str) -> Any:
 def parse_json_body(raw: bytes, limits: RequestLimits = DEFAULT_LIMITS) -> dict[str, Any]:
     """Decode a request body into a JSON object, or raise a 4xx :class:`OpenAIError`.
 
-    413 over ``max_body_bytes``; 400 for invalid UTF-8, malformed JSON, ``NaN``/``Infinity``,
-    nesting deeper than ``max_depth``, lone surrogates, or a top level that is not an object.
+    413 over ``max_body_bytes``; 400 for invalid UTF-8, more nodes than the body's
+    :meth:`~RequestLimits.node_budget`, nesting deeper than ``max_depth``, malformed JSON,
+    ``NaN``/``Infinity``, lone surrogates, or a top level that is not an object.
     """
     if len(raw) > limits.max_body_bytes:
         raise body_too_large(limits.max_body_bytes)
-    if not raw.strip():
+    if not raw or raw.isspace():
         raise bad_request("Request body is empty; expected a JSON object")
+    _check_structure(raw, limits)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -86,26 +122,94 @@ def parse_json_body(raw: bytes, limits: RequestLimits = DEFAULT_LIMITS) -> dict[
         raise bad_request(f"Request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise bad_request("Request body must be a JSON object")
-    _check_tree(body, limits.max_depth)
+    if _SURROGATE_ESCAPE.search(raw):
+        _check_strings(body)
     return body
 
 
-def _check_tree(root: Any, max_depth: int) -> None:
-    """Iteratively bound the depth and refuse strings that cannot be encoded (lone surrogates)."""
-    stack: list[tuple[Any, int]] = [(root, 1)]
+async def decode_off_loop(raw: bytes, decode: Callable[..., T], *args: Any) -> T:
+    """``decode(raw, *args)``, in a worker thread when ``raw`` is over :data:`OFF_LOOP_BYTES`
+    (parsing a large body would otherwise stall every other request and probe on the loop)."""
+    if len(raw) > OFF_LOOP_BYTES:
+        return await asyncio.to_thread(decode, raw, *args)
+    return decode(raw, *args)
+
+
+def _too_many_nodes(nodes: int, budget: int, size: int) -> OpenAIError:
+    return bad_request(f"Request body holds {nodes} JSON values and keys; a body of {size} bytes may hold "
+                       f"at most {budget}", code="too_many_json_values")
+
+
+def _check_structure(raw: bytes, limits: RequestLimits) -> None:
+    """Bound the node count and the depth of ``raw`` before it is parsed.
+
+    Exact for valid JSON (invalid JSON is left to the parser, whatever is counted here): with
+    escaped backslashes and quotes removed, every ``"`` delimits a string, and what lies between
+    strings is the structure. Every value but the root follows a ``[``, ``:`` or ``,``, every key
+    a ``{`` or ``,``, except right after the ``[`` or ``{`` of an empty container.
+    """
+    size = len(raw)
+    budget = limits.node_budget(size)
+    if b"\\" in raw:
+        raw = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    tokens = raw.translate(_OBJECTS_AS_LISTS, _NOT_TOKENS)  # only '"[],:' are left; '{' is '['
+    strings = tokens.count(b'"') // 2
+    if strings > budget:  # each string is a value or a key; this also bounds the split below
+        raise _too_many_nodes(strings, budget, size)
+    structure = b"".join(tokens.split(b'"')[0::2])  # '{"a": [], "b": 1}' -> '[:[],:]'
+    del tokens
+    nodes = 1 + len(structure) - structure.count(b"]") - structure.count(b"[]")
+    if nodes > budget:
+        if b"[" * (limits.max_depth + 1) in structure:  # the usual deep body, named as such
+            raise bad_request(f"JSON nesting is deeper than {limits.max_depth} levels")
+        raise _too_many_nodes(nodes, budget, size)
+    skeleton = structure.translate(None, b",:")
+    # Each pass removes the innermost containers ("[]" is an empty one), so what is left after
+    # max_depth passes nests deeper -- unless nothing can be removed: malformed, the parser says.
+    for _ in range(limits.max_depth):
+        if not skeleton:
+            return
+        skeleton = skeleton.replace(b"[]", b"")
+    if b"[]" in skeleton:
+        raise bad_request(f"JSON nesting is deeper than {limits.max_depth} levels")
+
+
+def _check_strings(root: Any) -> None:
+    """Refuse strings that cannot be encoded (lone surrogates), keys included."""
+    stack: list[Any] = [root]
     while stack:
-        value, depth = stack.pop()
+        value = stack.pop()
         if isinstance(value, str):
             try:
                 value.encode("utf-8")
             except UnicodeEncodeError:
                 raise bad_request("Request contains an invalid unicode string (lone surrogate)") from None
+        elif isinstance(value, dict):
+            stack.extend(value)
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+
+
+def check_ignored_fields(body: dict[str, Any], read: Collection[str], limits: RequestLimits) -> None:
+    """Refuse containers in the top-level fields outside ``read`` (the fields this server reads)
+    that nest deeper than ``max_ignored_depth`` or hold more than ``max_ignored_nodes`` values
+    and keys in all: they change nothing here, so all they can do is cost."""
+    left = limits.max_ignored_nodes
+    for name, value in body.items():
+        if name in read or not isinstance(value, (dict, list)):
             continue
-        if not isinstance(value, (dict, list)):
-            continue
-        if depth > max_depth:
-            raise bad_request(f"JSON nesting is deeper than {max_depth} levels")
-        children = value.values() if isinstance(value, dict) else value
-        if isinstance(value, dict):
-            stack.extend((k, depth) for k in value)
-        stack.extend((child, depth + 1) for child in children)
+        stack: list[tuple[Any, int]] = [(value, 1)]
+        while stack:
+            node, depth = stack.pop()
+            left -= len(node) * (2 if isinstance(node, dict) else 1)
+            if left < 0:
+                raise bad_request(f"The fields this server does not read hold more than "
+                                  f"{limits.max_ignored_nodes} JSON values and keys", name,
+                                  "too_many_json_values")
+            for child in (node.values() if isinstance(node, dict) else node):
+                if isinstance(child, (dict, list)):
+                    if depth >= limits.max_ignored_depth:
+                        raise bad_request(f"'{name}' is not read by this server and nests deeper than "
+                                          f"{limits.max_ignored_depth} levels", name, "nesting_too_deep")
+                    stack.append((child, depth + 1))

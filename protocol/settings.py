@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import math
 import os
+import re
 import types
 import typing
 from typing import Any, Callable, Mapping, Sequence, TypeVar
@@ -251,11 +252,29 @@ def parse_setting(cls: type, name: str, value: Any) -> Any:
 
 
 def describe(obj: Any) -> dict[str, Any]:
-    """The settings as a dict, secrets masked (for logs and ``GET /admin/config``)."""
+    """The settings as a dict, secrets masked (for logs and ``GET /admin/config``): ``secret``
+    settings whole, and the password of any URL-valued one (``redis://:pw@host``)."""
     out = {}
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if f.metadata.get("secret") and value:
             value = "***"
+        elif isinstance(value, str):
+            value = redact_url(value)
+        elif isinstance(value, list):
+            value = [redact_url(v) if isinstance(v, str) else v for v in value]
         out[f.name] = value
     return out
+
+
+_URL_USERINFO = re.compile(r"^(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/?#@:]*:)(?P<password>[^/?#]*)@")
+_SECRET_QUERY = re.compile(r"(?P<key>[?&][^=&#]*(?:password|secret|token)[^=&#]*=)[^&#]*", re.IGNORECASE)
+
+
+def redact_url(value: str) -> str:
+    """``value`` with the password of a URL masked (``redis://user:***@host``, and any
+    ``password=``, ``...secret=`` or ``...token=`` query parameter); anything else unchanged."""
+    if "://" not in value:
+        return value
+    value = _URL_USERINFO.sub(r"\g<head>***@", value, count=1)
+    return _SECRET_QUERY.sub(r"\g<key>***", value)

@@ -22,10 +22,20 @@ log = logging.getLogger("prefixlb.router")
 
 
 def build_app(ctx: RouterContext) -> web.Application:
-    """An application serving ``ctx`` (its parts are started by :func:`serve`)."""
+    """An application serving ``ctx`` (its parts are started by :func:`serve`); the admin API
+    too, unless ``--admin-port`` gives it an application of its own (:func:`build_admin_app`)."""
     app = web.Application(middlewares=middlewares(ctx.config.api_keys), client_max_size=ctx.config.max_body_bytes)
     app[CONTEXT] = ctx
     add_routes(app)
+    if ctx.config.admin_port is None:
+        app.add_subapp("/admin/", admin_app())
+    return app
+
+
+def build_admin_app(ctx: RouterContext) -> web.Application:
+    """The admin API alone, for ``--admin-port`` (a port that can be published more narrowly)."""
+    app = web.Application(middlewares=middlewares(()))  # the admin token guards it, not the API keys
+    app[CONTEXT] = ctx
     app.add_subapp("/admin/", admin_app())
     return app
 
@@ -36,20 +46,28 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None) -> int:
     app = build_app(ctx)
     await start(ctx)
     runner = await app_runner(app)
+    admin_runner = await app_runner(build_admin_app(ctx)) if cfg.admin_port is not None else None
     try:
         site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024, reuse_address=True)
         await site.start()
+        if admin_runner is not None:
+            await web.TCPSite(admin_runner, cfg.host, cfg.admin_port, reuse_address=True).start()
         stopping = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stopping.set)
-        log.info("event=router_listening host=%s port=%d policy=%s affinity=%s workers=%d redis=%s",
-                 cfg.host, cfg.port, cfg.policy, cfg.affinity, len(ctx.registry), bool(cfg.redis))
+        log.info("event=router_listening host=%s port=%d admin_port=%d policy=%s affinity=%s workers=%d redis=%s",
+                 cfg.host, cfg.port, cfg.admin_port or cfg.port, cfg.policy, cfg.affinity, len(ctx.registry),
+                 bool(cfg.redis))
         if ready is not None:
             ready.set()
         await stopping.wait()
         log.info("event=router_stopping")
+        await site.stop()  # no new connections; requests in flight get the grace period
+        await ctx.proxy.drain(cfg.shutdown_grace)
     finally:
+        if admin_runner is not None:
+            await admin_runner.cleanup()
         await runner.cleanup()
         await stop(ctx)
     return 0

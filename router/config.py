@@ -20,6 +20,8 @@ from router.routing.prompt import DEFAULT_RING_KEY_CHUNKS
 from router.routing.ring import DEFAULT_VNODES
 
 ENV_PREFIX = "PREFIXLB_ROUTER_"
+# Admin tokens this project has shipped in examples: anyone who read them knows them.
+PLACEHOLDER_ADMIN_TOKENS = ("change-me",)
 # The pure parts' own defaults are the flags' defaults: one source for each.
 _POLICY = PolicyConfig()
 _SPEED = SpeedProfile()
@@ -41,10 +43,14 @@ class RouterConfig:
     policy: str = setting(DEFAULT_POLICY, "routing policy", choices=policy_names)
     affinity: float = setting(DEFAULT_AFFINITY, "affinity strength a in [0, 1] (0: least pending work, 1: follow "
                               'the cache); see docs/routing.md, "Affinity strength"', minimum=0.0, maximum=1.0)
-    redis: str | None = setting(None, "Redis URL for shared state (none: everything in memory)")
+    redis: str | None = setting(None, "Redis URL for shared state: redis://, rediss://, unix:// or "
+                                "redis+sentinel://H:P[,H:P...]/SERVICE (none: everything in memory)")
     redis_prefix: str = setting(DEFAULT_PREFIX, "prefix of every Redis key")
-    admin_token: str | None = setting(None, "bearer token of the /admin/ API (unset: admin API refused)",
+    admin_token: str | None = setting(None, "bearer token of the /admin/ API (unset: admin API refused; the "
+                                      "placeholder 'change-me' older examples shipped is refused at start)",
                                       secret=True)
+    admin_port: int | None = setting(None, "serve the /admin/ API on this port (same --host) instead of --port",
+                                     minimum=1, maximum=65535)
     k8s_selector: str | None = setting(None, "discover workers as Kubernetes pods with this label selector")
     k8s_namespace: str = setting("default", "namespace of the worker pods (with --k8s-selector)")
     k8s_port: int = setting(8000, "port of the worker pods (with --k8s-selector)", minimum=1, maximum=65535)
@@ -121,12 +127,16 @@ class RouterConfig:
                                           "at once", minimum=1)
     registry_grace: float = setting(15.0, "seconds a healthy worker stays after its Redis registration "
                                     "vanished (e.g. Redis restarted empty)", minimum=0.0)
+    shutdown_grace: float = setting(25.0, "seconds requests in flight may finish after SIGTERM; then open streams "
+                                    "end with an SSE error event (shutting_down)", minimum=0.0)
     api_keys: list[str] = setting(list, "API key clients must send as 'Authorization: Bearer <key>' on "
                                   "/v1/* (repeatable; none: open)", flag="--api-key", secret=True)
     worker_api_key: str | None = setting(None, "API key the router sends to workers (their --api-key)",
                                          secret=True)
-    worker_allow: list[str] = setting(list, "allowed worker hosts: CIDR, IP, or host-name wildcard, with "
-                                      "optional :port (repeatable; none: any http(s) host)")
+    worker_allow: list[str] = setting(list, "allowed worker hosts: CIDR, IP, or host-name wildcard ('*' "
+                                      "within one DNS label), with optional :port (repeatable; none: any "
+                                      "http(s) host but link-local and cloud-metadata ones, which must be "
+                                      "listed)")
     prewarm_top: int = setting(0, "send a joining worker the K hottest prefixes (max_tokens=1) before it "
                                "takes traffic (0: off)", minimum=0, maximum=1024)
     prewarm_max_bytes: int = setting(1024 * 1024, "largest request body kept as a pre-warm sample",
@@ -149,14 +159,27 @@ class RouterConfig:
 
 
 def check_router_config(cfg: RouterConfig) -> None:
-    """What the schema cannot check: worker specs and ``--tokenizer`` entries (SettingsError)."""
+    """What the schema cannot check: worker specs, ``--tokenizer`` entries, a placeholder admin
+    token, an admin port that is the API's (SettingsError)."""
     from router.fleet.backends import InvalidWorkerSpec, parse_worker_spec
 
+    if cfg.admin_token is not None and cfg.admin_token.strip().lower() in PLACEHOLDER_ADMIN_TOKENS:
+        raise SettingsError(f"--admin-token: {cfg.admin_token.strip()!r} is a placeholder from the examples; "
+                            "set a token of your own (or none: the admin API is then refused)")
+    if cfg.admin_port is not None and cfg.admin_port == cfg.port:
+        raise SettingsError(f"--admin-port {cfg.admin_port} is --port; give the admin API a port of its own")
     for spec in cfg.workers:
         try:
             parse_worker_spec(spec)
         except InvalidWorkerSpec as exc:
             raise SettingsError(f"--worker {spec!r}: {exc}") from None
+    if cfg.redis:
+        from protocol.redis_url import RedisURLError, check_redis_url
+
+        try:
+            check_redis_url(cfg.redis)
+        except RedisURLError as exc:
+            raise SettingsError(f"--redis: {exc}") from None
     for entry in cfg.tokenizers:
         model, sep, directory = entry.partition("=")
         if not sep or not model or not directory:

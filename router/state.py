@@ -40,6 +40,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from protocol import KVEvent, LoadReport, MessageError, RedisKeys, WorkerInfo
+from protocol.redis_url import redis_client
 from router.routing.balancer import Balancer
 from router.metrics import RouterMetrics
 from router.fleet.registry import ROUTABLE, WARMING, InvalidWorkerURL, WorkerRegistry
@@ -106,8 +107,8 @@ class RedisState:
 
     def connect(self) -> None:
         """Create the Redis clients (they connect lazily, and reconnect by themselves)."""
-        self._client = aioredis.Redis.from_url(self.url, socket_timeout=5.0, socket_connect_timeout=2.0)
-        self._stream_client = aioredis.Redis.from_url(self.url, socket_timeout=10.0, socket_connect_timeout=2.0)
+        self._client = redis_client(self.url, socket_timeout=5.0, socket_connect_timeout=2.0)
+        self._stream_client = redis_client(self.url, socket_timeout=10.0, socket_connect_timeout=2.0)
 
     async def close(self, final_snapshot: bool = False) -> None:
         """Stop the tasks (writing a last snapshot first if asked and Redis answers) and disconnect."""

@@ -40,6 +40,7 @@ log = logging.getLogger("prefixlb.router.health")
 
 MAX_LOAD_BYTES = 1 << 20  # a /load or /v1/models answer larger than this is not read whole
 MAX_METRICS_BYTES = 4 << 20  # a /metrics text larger than this is not parsed
+ROUTER_METRIC = "prefixlb_router_requests_total"  # in a router's /metrics: never a worker
 
 
 def worker_id_of(url: str) -> str:
@@ -127,12 +128,16 @@ class HealthChecker:
                 with contextlib.suppress(MessageError, ValueError, aiohttp.ClientError):
                     LoadReport.from_dict(json.loads(await resp.content.read(MAX_LOAD_BYTES)))
                     return PREFIXLB
+        text = None
         with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, UnicodeDecodeError, OSError):
             text = await self._metrics_text(w)
-            if text is not None:
-                kind = detect_kind(text)
-                if kind is not None:
-                    return kind
+        if text is not None:
+            if ROUTER_METRIC in text:
+                # A router (this one, or another): sending it requests would loop them back.
+                raise ProbeError("a prefixlb router answers there, not a worker")
+            kind = detect_kind(text)
+            if kind is not None:
+                return kind
         await self._health(w)
         return OPENAI
 

@@ -24,7 +24,6 @@ join every router through Redis self-registration or Kubernetes discovery).
 """
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import time
@@ -33,6 +32,7 @@ from typing import Any
 from aiohttp import web
 from redis.exceptions import RedisError
 
+from protocol.api_keys import bearer_token, matches_any
 from protocol.openai_api import OpenAIError
 from protocol.settings import describe
 from router.http.api import CONTEXT, Handler
@@ -54,8 +54,7 @@ def check_token(header: str | None, token: str | None) -> None:
                      "permission_error", "admin_disabled")
     if not header:
         raise _error(401, "Missing 'Authorization: Bearer <token>'", "authentication_error", "missing_token")
-    scheme, _, given = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+    if not matches_any(bearer_token(header), [token]):
         raise _error(403, "Invalid admin token", "permission_error", "invalid_token")
 
 

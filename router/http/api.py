@@ -20,7 +20,7 @@ from protocol import RenderError
 from protocol.api_keys import api_key_middleware
 from protocol.http_errors import error_middleware
 from protocol.openai_api import RequestLimits, bad_request, model_not_found, parse_request
-from protocol.openai_body import read_limited_body
+from protocol.openai_body import decode_off_loop, read_limited_body
 from router.context import RouterContext
 from router.metrics import CONTENT_TYPE
 from router.routing.prompt import prompt_key, session_key_of
@@ -88,7 +88,7 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
     ctx = request.app[CONTEXT]
     cfg = ctx.config
     raw = await read_body(request, cfg.max_body_bytes, cfg.body_timeout)
-    parsed = parse_request(raw, chat, RequestLimits(max_body_bytes=cfg.max_body_bytes))
+    parsed = await decode_off_loop(raw, parse_request, chat, RequestLimits(max_body_bytes=cfg.max_body_bytes))
     body = parsed.body
     served = ctx.registry.models()
     if served and parsed.model not in served:

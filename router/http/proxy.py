@@ -138,6 +138,7 @@ class Proxy:
         self.retry_deadline_s = retry_deadline_s
         self.admission = admission if admission is not None else Admission()
         self._guards: dict[str, set] = {}
+        self.closing = False  # the router is shutting down: no new attempt, no retry
         registry.on_unavailable.append(self.abort_worker)
         registry.on_removed.append(self._forget)
 
@@ -154,6 +155,26 @@ class Proxy:
                 count += 1
         log.warning("event=worker_requests_aborted worker=%s requests=%d", worker_id, count)
         return count
+
+    async def drain(self, grace_s: float) -> int:
+        """Shut down: let requests in flight finish for up to ``grace_s`` seconds, then end them --
+        an open stream gets an SSE error event and ``[DONE]`` (never a silent cut), a request
+        still waiting for its worker a 503. Returns how many were ended that way."""
+        self.closing = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while self.admission.inflight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if not self.admission.inflight:
+            return 0
+        ended = 0
+        for worker_id in list(self._guards):
+            ended += self.abort_worker(worker_id)
+        log.warning("event=shutdown_ended_requests requests=%d grace_s=%s", ended, grace_s)
+        deadline = loop.time() + 2.0  # time for the ended streams to write their error event
+        while self.admission.inflight and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        return ended
 
     def _forget(self, w: Any) -> None:
         """A worker left the registry: drop its (empty) guard set, so ids of pods long gone
@@ -198,6 +219,8 @@ class Proxy:
         attempts = 0
         queued = False
         while True:
+            if self.closing:
+                raise OpenAIError(503, "The router is shutting down", SERVICE_UNAVAILABLE, None, "shutting_down")
             if attempts and (attempts >= self.max_attempts or loop.time() - arrived > self.retry_deadline_s):
                 raise upstream_failed(failure)
             decision = await self._decide(preq, excluded, failure, deadline, queued)
@@ -343,9 +366,13 @@ class Proxy:
                 self.registry.request_ok(worker_id, time.time())
             else:
                 # Committed: the client gets a clean error event instead of a truncated success.
-                self._stream_failed(worker_id, failure)
-                event = error_body(f"The worker failed mid-stream ({failure.kind}); the response is incomplete",
-                                   SERVER_ERROR, None, "upstream_failed")
+                if self.closing and failure.kind == "aborted":
+                    event = error_body("The router is shutting down; the response is incomplete",
+                                       SERVICE_UNAVAILABLE, None, "shutting_down")
+                else:
+                    self._stream_failed(worker_id, failure)
+                    event = error_body(f"The worker failed mid-stream ({failure.kind}); the response is incomplete",
+                                       SERVER_ERROR, None, "upstream_failed")
                 await response.write(b"data: " + json.dumps(event).encode() + b"\n\n" + DONE_EVENT)
             await response.write_eof()
             return response

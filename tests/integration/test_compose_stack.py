@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import urllib.error
 import urllib.request
 import uuid
 
@@ -54,6 +55,7 @@ def stack(tmp_path_factory, redis_server_url):
 
     services = {n: s for n, s in _resolved_services().items() if n != "redis"}
     ports = {name: free_port() for name in services}
+    admin_ports: dict[str, int] = {}
     prefix = f"prefixlb-test-{uuid.uuid4().hex[:10]}:"
     logs = tmp_path_factory.mktemp("compose-stack")
     try:
@@ -64,6 +66,9 @@ def stack(tmp_path_factory, redis_server_url):
                 component = name.split("-")[0]
                 args = _local_args(services[name]["command"], ports, redis_url=redis_server_url)
                 args[args.index("--port") + 1] = str(ports[name])
+                if "--admin-port" in args:
+                    admin_ports[name] = free_port()
+                    args[args.index("--admin-port") + 1] = str(admin_ports[name])
                 args += ["--redis-prefix", prefix]
                 procs.append(spawn([component, *args], logs, name, ports[name], ready_path=None,
                                    env={k: str(v) for k, v in (services[name].get("environment") or {}).items()}))
@@ -82,6 +87,7 @@ def stack(tmp_path_factory, redis_server_url):
             state = wait_for(settled, 120, interval=0.25, what="both routers routing to both workers")
             assert state == "ready", state + "\n" + "\n".join(p.output()[-2000:] for p in procs if not p.alive())
             yield {"routers": {name: p.url for name, p in routers.items()},
+                   "admin": {name: f"http://127.0.0.1:{admin_ports[name]}" for name in routers},
                    "workers": {p.log.stem: p.url for p in procs if p.log.stem.startswith("worker")}}
     finally:
         client = redis.Redis.from_url(redis_server_url)
@@ -122,3 +128,14 @@ def test_routers_refuse_clients_without_the_api_key_and_workers_refuse_anyone_bu
                     max_retries=0, timeout=30)
     with pytest.raises(openai.AuthenticationError):
         worker.completions.create(model="tiny", prompt="hello", max_tokens=1)
+
+
+def test_the_admin_api_answers_on_the_admin_port_and_not_on_the_api_port(stack):
+    token = {"Authorization": "Bearer compose-token"}
+    for name, base in stack["routers"].items():
+        request = urllib.request.Request(stack["admin"][name] + "/admin/workers", headers=token)
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            assert len(json.load(resp)["workers"]) == 2, name
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(urllib.request.Request(base + "/admin/workers", headers=token), timeout=10)
+        assert refused.value.code == 404, name

@@ -59,15 +59,61 @@ def _expect(reply, status: int, code: str | None = None, param: str | None = Non
         assert err["param"] == param, err
 
 
-def test_the_worker_requires_its_api_key_on_the_openai_endpoints_only(servers):
+# Every route of the worker that needs its key: /tokenize and /v1/*/render run the tokenizer and a
+# chat template, /health_generate the engine; only the probes stay open.
+WORKER_KEYED_ROUTES = [
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}),
+    ("GET", "/v1/models", None),
+    ("POST", "/v1/completions/render", {"model": MODEL, "prompt": "hi"}),
+    ("POST", "/tokenize", {"prompt": "hi"}),
+    ("POST", "/detokenize", {"tokens": [104, 105]}),
+    ("GET", "/health_generate", None),
+    ("GET", "/get_server_info", None),
+    ("GET", "/server_info", None),
+    ("GET", "/get_model_info", None),
+    ("GET", "/model_info", None),
+    ("GET", "/get_load", None),
+]
+
+
+@pytest.mark.parametrize("method,path,body", WORKER_KEYED_ROUTES, ids=[r[1] for r in WORKER_KEYED_ROUTES])
+def test_the_worker_requires_its_api_key_on_every_route_but_its_probes(servers, method, path, body):
     _, worker = servers
-    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
-    _expect(call(worker.url + "/v1/completions", "POST", body), 401, "missing_api_key")
-    _expect(call(worker.url + "/v1/completions", "POST", body, headers={"Authorization": "Bearer x"}),
-            401, "invalid_api_key")
-    assert call(worker.url + "/v1/completions", "POST", body,
-                headers={"Authorization": f"Bearer {WORKER_KEY}"}).status == 200
-    assert call(worker.url + "/health").status == 200 and call(worker.url + "/load").status == 200
+    _expect(call(worker.url + path, method, body), 401, "missing_api_key")
+    _expect(call(worker.url + path, method, body, headers={"Authorization": "Bearer x"}), 401, "invalid_api_key")
+    assert call(worker.url + path, method, body, headers={"Authorization": f"Bearer {WORKER_KEY}"}).status == 200
+
+
+def test_the_worker_probes_stay_open_without_a_key(servers):
+    _, worker = servers
+    assert [call(worker.url + path).status for path in ("/health", "/load", "/metrics")] == [200, 200, 200]
+
+
+def test_an_authorization_header_that_is_not_utf8_is_refused_never_a_500(servers):
+    router, worker = servers
+    undecodable = {"Authorization": "Bearer \xff\xfe\x80"}  # http.client sends these as raw bytes
+    _expect(call(router.url + "/v1/models", headers=undecodable), 401, "invalid_api_key")
+    _expect(call(worker.url + "/v1/models", headers=undecodable), 401, "invalid_api_key")
+    _expect(call(worker.url + "/tokenize", "POST", {"prompt": "x"}, headers=undecodable), 401, "invalid_api_key")
+    _expect(call(router.url + "/admin/workers", headers=undecodable), 403, "invalid_token")
+    assert "Traceback" not in router.output() + worker.output()
+
+
+def test_a_body_of_many_tiny_values_in_an_unread_field_is_400_at_both_doors(servers):
+    router, worker = servers
+    count = (LIMIT - 100) // 3
+    raw = b'{"model": "m", "prompt": "x", "junk": [' + b",".join([b"[]"] * count) + b"]}"
+    _expect(_post(router.url, raw=raw), 400, "too_many_json_values")
+    _expect(call(worker.url + "/v1/completions", "POST", raw=raw, headers={"Authorization": f"Bearer {WORKER_KEY}"}),
+            400, "too_many_json_values")
+
+
+def test_an_unread_field_nested_deeper_than_16_levels_is_400_naming_it(servers):
+    router, _ = servers
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1, "junk": json.loads("[" * 17 + "]" * 17)}
+    _expect(_post(router.url, body), 400, "nesting_too_deep", "junk")
+    body["junk"] = json.loads("[" * 16 + "]" * 16)
+    assert _post(router.url, body).status == 200
 
 
 def test_the_router_requires_a_client_key_and_serves_with_it(servers):

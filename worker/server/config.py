@@ -60,7 +60,8 @@ class ServerConfig:
     seed: int = setting(0, "engine seed (sampling without a per-request seed)")
     worker_id: str | None = setting(None, "this worker's id (default: <host>-<port>)")
     chunk_size: int = setting(DEFAULT_CHUNK_SIZE, "router chunk size in bytes, for KV events", minimum=1)
-    redis: str | None = setting(None, "Redis URL: register, heartbeat load, publish KV events")
+    redis: str | None = setting(None, "Redis URL (redis://, rediss://, unix:// or redis+sentinel://H:P[,H:P...]/SERVICE): "
+                                "register, heartbeat load, publish KV events")
     redis_prefix: str = setting(DEFAULT_PREFIX, "prefix of every Redis key")
     advertise: str | None = setting(None, "URL routers use to reach this worker (default: http://host:port)")
     heartbeat_interval: float = setting(0.5, "seconds between load reports", minimum=0.05, maximum=60)
@@ -71,8 +72,9 @@ class ServerConfig:
     max_body_bytes: int = setting(16 * 1024 * 1024, "largest request body accepted (413 above)", minimum=1024)
     body_timeout: float = setting(30.0, "seconds a client may take to send its body (408 after)", minimum=0.1)
     drain_timeout: float = setting(30.0, "seconds SIGTERM waits for in-flight requests", minimum=0)
-    api_keys: list[str] = setting(list, "API key required as 'Authorization: Bearer <key>' on /v1/* "
-                                  "(repeatable; none: open)", flag="--api-key", secret=True)
+    api_keys: list[str] = setting(list, "API key required as 'Authorization: Bearer <key>' on every "
+                                  "endpoint but /health, /load and /metrics (repeatable; none: open)",
+                                  flag="--api-key", secret=True)
     simulate: bool = setting(False, "serve a simulated GPU: latency model instead of a model")
     gpu: str = setting("H100-80G", "simulated GPU profile (A100-80G, H100-80G, H200)")
     sim_model: str = setting("llama-3-8b", "simulated model profile (llama-3-8b, llama-3-70b)")

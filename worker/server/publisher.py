@@ -28,6 +28,8 @@ from redis.exceptions import RedisError
 
 from protocol.keys import RedisKeys
 from protocol.messages import KVEvent, LoadReport, WorkerInfo
+from protocol.redis_url import redis_client
+from protocol.settings import redact_url
 
 log = logging.getLogger("prefixlb.worker.publisher")
 
@@ -129,8 +131,8 @@ class RedisPublisher:
 
     async def _connect(self) -> aioredis.Redis:
         if self._client is None:
-            self._client = aioredis.Redis.from_url(
-                self.url, socket_connect_timeout=1.0, socket_timeout=2.0, retry_on_timeout=False)
+            self._client = redis_client(self.url, socket_connect_timeout=1.0, socket_timeout=2.0,
+                                        retry_on_timeout=False)
         return self._client
 
     async def _drop_client(self) -> None:
@@ -156,7 +158,7 @@ class RedisPublisher:
                     if not self._stopping and time.monotonic() >= next_heartbeat:
                         break  # events that never stop coming must not starve the heartbeat
                 if not self.stats.connected:
-                    log.info("event=redis_connected worker=%s url=%s", self.info.worker_id, self.url)
+                    log.info("event=redis_connected worker=%s url=%s", self.info.worker_id, redact_url(self.url))
                 self.stats.connected = True
                 backoff = 0.1
                 if self._stopping:

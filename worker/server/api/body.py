@@ -6,7 +6,7 @@ from typing import Any
 from aiohttp import web
 
 from protocol.openai_api import RequestLimits, parse_json_body
-from protocol.openai_body import read_limited_body
+from protocol.openai_body import decode_off_loop, read_limited_body
 
 BODY_READ_TIMEOUT_S = 30.0
 
@@ -19,5 +19,6 @@ async def read_body(request: web.Request, limits: RequestLimits,
 
 async def read_json(request: web.Request, limits: RequestLimits,
                     timeout: float = BODY_READ_TIMEOUT_S) -> dict[str, Any]:
-    """The body as a validated JSON object (see protocol.openai_api.parse_json_body)."""
-    return parse_json_body(await read_body(request, limits, timeout), limits)
+    """The body as a validated JSON object (see protocol.openai_api.parse_json_body); a large
+    one is decoded off the event loop."""
+    return await decode_off_loop(await read_body(request, limits, timeout), parse_json_body, limits)
