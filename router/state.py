@@ -52,6 +52,7 @@ READ_COUNT = 1000
 SNAPSHOT_SLICE = 5000  # index entries copied between two yields to the event loop
 BACKOFF_S = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
 REDIS_SOURCE = "redis"
+MAX_CONFIG_VERSION = 2**53  # beyond this a shared config version is not a counter's (poison)
 MAX_REGISTERED = 10_000  # self-registered workers read from Redis at most (a registry size cap)
 DRAINS_TTL_S = 7 * 24 * 3600  # an admin drain nobody renewed or cancelled for a week is forgotten
 
@@ -74,7 +75,7 @@ class RedisState:
         self.registry_grace = registry_grace
         self.synced = False
         self.last_id = "0-0"
-        self.config_version = 0.0
+        self.config_version = 0
         self.events_applied = 0
         self._client: aioredis.Redis | None = None
         self._stream_client: aioredis.Redis | None = None
@@ -345,25 +346,45 @@ class RedisState:
             await self._client.hdel(self.keys.drains, url)
 
     async def sync_config(self) -> None:
-        """Adopt the shared runtime config if another router changed it since we last looked."""
+        """Adopt the shared runtime config if another router changed it since we last looked.
+
+        Versions are a Redis counter (``HINCRBY`` in the transaction that writes the values), so
+        they name changes without trusting any router's clock; a version that is not a plausible
+        counter value (poison) is ignored until the next change resets it.
+        """
         assert self._client is not None
         raw = await self._client.hgetall(self.keys.config)
         values = {_text(k): _text(v) for k, v in raw.items()}
         try:
-            version = float(values.pop("version", "0"))
+            version = int(values.pop("version", "0"))
         except ValueError:
             return
-        if version > self.config_version and self.apply_config is not None:
+        # any other version is a newer change: the counter only moves when a router publishes
+        # (or starts again after Redis lost it, or after poison was reset)
+        if 0 < version <= MAX_CONFIG_VERSION and version != self.config_version and self.apply_config is not None:
             self.config_version = version
             self.apply_config(values)
 
     async def publish_config(self, values: dict[str, Any]) -> None:
         """Share runtime config with every router (raises ``RedisError`` if Redis is gone)."""
         assert self._client is not None
-        version = time.time()
-        await self._client.hset(self.keys.config, mapping={**{k: str(v) for k, v in values.items()},
-                                                             "version": repr(version)})
-        self.config_version = version
+        mapping = {k: str(v) for k, v in values.items()}
+        for _ in range(2):
+            try:
+                async with self._client.pipeline(transaction=True) as pipe:
+                    pipe.hincrby(self.keys.config, "version", 1)
+                    pipe.hset(self.keys.config, mapping=mapping)
+                    version, _ = await pipe.execute()
+                break
+            except ResponseError:
+                # a version that is no counter (an older router's clock value, or poison): restart it
+                await self._client.hset(self.keys.config, "version", "0")
+        else:
+            raise RedisError("the shared config version cannot be incremented")
+        if int(version) > MAX_CONFIG_VERSION:
+            await self._client.hset(self.keys.config, "version", "1")
+            version = 1
+        self.config_version = int(version)
 
     # -- loops ------------------------------------------------------------------------------
     async def _every(self, interval: float, step: Callable[[], Any], task: str) -> None:

@@ -54,7 +54,7 @@ from router.routing.policy import Decision, NoCapacity
 from router.routing.prompt import PromptKey
 from router.fleet.registry import WorkerRegistry
 from router.http.booking import BookedAttempt, book
-from router.http.sse import UsageTap
+from router.http.sse import EventTooLarge, UsageTap
 
 __all__ = ["Proxy", "ProxyRequest", "Overloaded", "RETRY_AFTER_S", "HEADER_WORKER", "HEADER_PREDICTED",
            "HEADER_REASON"]
@@ -66,6 +66,7 @@ HEADER_PREDICTED = "X-Prefixlb-Predicted-Cached-Tokens"
 HEADER_REASON = "X-Prefixlb-Route-Reason"
 PASS_BACK = ("Content-Type", "X-Request-Id", "X-Prefixlb-Worker-Id", "Cache-Control")
 ERROR_BODY_BYTES = 64 * 1024  # how much of a worker's 5xx body is read to learn why
+MAX_RESPONSE_BYTES = 256 << 20  # a non-streaming answer larger than this is a failed attempt, not read whole
 # Failure kinds that say nothing about the worker's health (not counted by its breaker).
 NOT_HEALTH = ("aborted", "draining", "unknown")
 DONE_EVENT = b"data: [DONE]\n\n"
@@ -312,7 +313,7 @@ class Proxy:
                 if not first:
                     raise _Failed("disconnected", "stream ended before its first byte")
             else:
-                first = await upstream.read()
+                first = await _read_capped(upstream.content)
         except asyncio.TimeoutError as exc:
             upstream.close()
             raise _Failed("timeout", "no answer in time") from exc
@@ -351,10 +352,16 @@ class Proxy:
         completed = False
         try:
             await response.prepare(request)
-            out = tap.feed(first)
+            try:
+                out = tap.feed(first)
+            except EventTooLarge as exc:
+                out, failure = b"", _Failed("oversized", str(exc))
+            else:
+                failure = None
             if out:
                 await response.write(out)
-            failure = await self._pass_through(response, upstream, tap, worker_id)
+            if failure is None:
+                failure = await self._pass_through(response, upstream, tap, worker_id)
             if failure is None:
                 tail = tap.flush()
                 if tail:
@@ -405,7 +412,10 @@ class Proxy:
                         return _Failed("mid_stream", f"{type(exc).__name__}: {exc}")
                     if not chunk:
                         return None
-                    out = tap.feed(chunk)
+                    try:
+                        out = tap.feed(chunk)
+                    except EventTooLarge as exc:
+                        return _Failed("oversized", str(exc))
                     if out:
                         await response.write(out)
         except TimeoutError:
@@ -420,6 +430,19 @@ class Proxy:
             if worker is not None:
                 self.registry.mark_failed(worker, f"stream: {failure.kind}: {failure}"[:200], time.time())
         log.warning("event=stream_failed worker=%s kind=%s detail=%r", worker_id, failure.kind, str(failure)[:200])
+
+
+async def _read_capped(content: aiohttp.StreamReader) -> bytes:
+    """A whole non-streaming answer, or an ``oversized`` failure past ``MAX_RESPONSE_BYTES``."""
+    chunks, size = [], 0
+    while True:
+        chunk = await content.readany()
+        if not chunk:
+            return b"".join(chunks)
+        size += len(chunk)
+        if size > MAX_RESPONSE_BYTES:
+            raise _Failed("oversized", f"the worker's answer is larger than {MAX_RESPONSE_BYTES} bytes")
+        chunks.append(chunk)
 
 
 def _status_failure(status: int, body: bytes) -> _Failed:

@@ -17,15 +17,23 @@ from typing import Any
 _SEPARATORS = (b"\n\n", b"\r\n\r\n")
 
 
-def _split_events(buffer: bytes) -> tuple[list[bytes], bytes]:
-    """Complete events (each with its terminating blank line) and the incomplete rest."""
+MAX_EVENT_BYTES = 8 << 20  # one SSE event larger than this is not an answer: the stream is refused
+
+
+class EventTooLarge(ValueError):
+    """The worker sent more than ``MAX_EVENT_BYTES`` without ending an SSE event."""
+
+
+def _split_events(buffer: bytes, scan_from: int = 0) -> tuple[list[bytes], bytes]:
+    """Complete events (each with its terminating blank line) and the incomplete rest; the first
+    separator is searched for from ``scan_from`` on (the part before was scanned already)."""
     events: list[bytes] = []
     start = 0
     while True:
         best = -1
         sep_len = 0
         for sep in _SEPARATORS:
-            i = buffer.find(sep, start)
+            i = buffer.find(sep, max(start, scan_from))
             if i != -1 and (best == -1 or i < best):
                 best, sep_len = i, len(sep)
         if best == -1:
@@ -68,8 +76,12 @@ class UsageTap:
 
     def feed(self, chunk: bytes) -> bytes:
         """Bytes to send to the client now (complete events only, usage removed if stripping)."""
-        buffer = self._tail + chunk if self._tail else chunk
-        events, self._tail = _split_events(buffer)
+        held = len(self._tail)
+        buffer = self._tail + chunk if held else chunk
+        # a separator can straddle the old tail and the new chunk: rescan only its last 3 bytes
+        events, self._tail = _split_events(buffer, max(0, held - 3))
+        if len(self._tail) > MAX_EVENT_BYTES:
+            raise EventTooLarge(f"an SSE event of more than {MAX_EVENT_BYTES} bytes")
         if not events:
             return b""
         out = []

@@ -164,3 +164,22 @@ def test_a_router_added_as_a_worker_of_another_router_is_refused_instead_of_loop
     finally:
         first.stop()
         second.stop()
+
+
+def test_a_poisoned_config_version_is_ignored_and_the_next_change_reaches_every_router(cluster, redis_server_url,
+                                                                                      prefix):
+    _, routers, _ = cluster
+    keys = RedisKeys(prefix)
+    r = redis.Redis.from_url(redis_server_url)
+    admin = {"Authorization": "Bearer s3cret"}
+    before = [call(x.url + "/admin/config", headers=admin).json["runtime"]["affinity"] for x in routers]
+    # a clock-like or absurd version that would never lose a wall-clock comparison
+    r.hset(keys.config, mapping={"version": "1e308", "affinity": "0.01"})
+    time.sleep(1.0)  # five registry syncs: none may adopt it
+    assert [call(x.url + "/admin/config", headers=admin).json["runtime"]["affinity"] for x in routers] == before
+    reply = call(routers[0].url + "/admin/config", "PUT", {"affinity": 0.65}, headers=admin)
+    assert reply.status == 200
+    wait_for(lambda: all(call(x.url + "/admin/config", headers=admin).json["runtime"]["affinity"] == 0.65
+                         for x in routers), 5, what="the change adopted by every router")
+    assert int(r.hget(keys.config, "version")) >= 1
+    r.close()

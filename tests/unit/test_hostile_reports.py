@@ -131,3 +131,32 @@ def test_a_poisoned_token_ratio_is_clamped_and_decisions_go_on():
     balancer.load_token_ratios({"m2": float("inf"), "m3": 1e308, "m4": -1.0, 5: 0.3})
     assert balancer.token_ratios().get("m3") == 4.0 and "m2" not in balancer.token_ratios()
     assert balancer.decide(prompt, 0.0).worker_id == "w0"
+
+
+ANY = st.one_of(NUMBERS, st.text(max_size=300), st.lists(NUMBERS, max_size=3), st.dictionaries(st.text(max_size=3),
+                                                                                              NUMBERS, max_size=2))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(["load", "event", "info"]),
+       st.dictionaries(st.sampled_from(["worker_id", "kind", "hashes", "chunk_size", "seq", "ts", "lora_name", "url",
+                                        "model", "block_size", "capacity_tokens", "max_num_seqs", "status", "simulated",
+                                        "started_at", *FIELDS, "lora_adapters", "lora_running", "lora_gpu"]),
+                       ANY, max_size=8))
+def test_any_message_decodes_to_a_sane_one_or_is_refused_with_a_message_error(which, raw):
+    from protocol import KVEvent, WorkerInfo
+
+    cls = {"load": LoadReport, "event": KVEvent, "info": WorkerInfo}[which]
+    try:
+        message = cls.from_dict(raw)
+    except MessageError:
+        return
+    for name, value in message.to_dict().items():
+        if isinstance(value, float):
+            assert math.isfinite(value), name
+        if isinstance(value, int) and not isinstance(value, bool):
+            assert 0 <= value < 2**64 or name == "ts", (name, value)
+        if isinstance(value, str):
+            assert len(value) <= 2048 and "\n" not in value and "\r" not in value, name
+    if which == "event":
+        assert all(0 <= h < 2**64 for h in message.hashes)
