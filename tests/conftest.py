@@ -1,6 +1,8 @@
 """Fixtures shared by the whole suite: a real Redis (with an isolated key prefix per test)."""
 from __future__ import annotations
 
+import contextlib
+
 import os
 import socket
 import uuid
@@ -28,9 +30,8 @@ def redis_server_url() -> str:
     return f"redis://{REDIS_HOST}:{REDIS_PORT}/0"
 
 
-@pytest.fixture
-def redis_prefix(redis_server_url: str):
-    """A key prefix unique to this test; its keys are deleted afterwards."""
+@contextlib.contextmanager
+def _unique_redis_prefix(redis_server_url: str):
     import redis
 
     prefix = f"prefixlb-test-{uuid.uuid4().hex[:10]}:"
@@ -40,6 +41,20 @@ def redis_prefix(redis_server_url: str):
     if keys:
         client.delete(*keys)
     client.close()
+
+
+@pytest.fixture
+def redis_prefix(redis_server_url: str):
+    """A key prefix unique to this test; its keys are deleted afterwards."""
+    with _unique_redis_prefix(redis_server_url) as prefix:
+        yield prefix
+
+
+@pytest.fixture(scope="module")
+def module_redis_prefix(redis_server_url: str):
+    """A key prefix unique to this test module (a cluster its tests share); deleted afterwards."""
+    with _unique_redis_prefix(redis_server_url) as prefix:
+        yield prefix
 
 
 # ---- real vLLM servers (tests/vllm_support.py) ------------------------------------------------

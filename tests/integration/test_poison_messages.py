@@ -23,14 +23,8 @@ pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
-def prefix(redis_server_url):
-    value = f"prefixlb-poison-{uuid.uuid4().hex[:10]}:"
-    yield value
-    client = redis.Redis.from_url(redis_server_url)
-    keys = list(client.scan_iter(match=value + "*", count=1000))
-    if keys:
-        client.delete(*keys)
-    client.close()
+def prefix(module_redis_prefix):
+    return module_redis_prefix
 
 
 def _router(redis_url: str, prefix: str, logs, name: str) -> Proc:

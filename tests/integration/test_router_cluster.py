@@ -13,11 +13,9 @@ the prediction is exact, and the tests below assert equality there.
 from __future__ import annotations
 
 import re
-import uuid
 
 import openai
 import pytest
-import redis
 
 from protocol import render_chat
 from tests.integration.worker_client import call
@@ -36,15 +34,8 @@ DOC = document("Article")
 
 
 @pytest.fixture(scope="module")
-def prefix(redis_server_url):
-    """A Redis key prefix for this module's cluster; its keys are deleted afterwards."""
-    value = f"prefixlb-test-{uuid.uuid4().hex[:10]}:"
-    yield value
-    client = redis.Redis.from_url(redis_server_url)
-    keys = list(client.scan_iter(match=value + "*", count=1000))
-    if keys:
-        client.delete(*keys)
-    client.close()
+def prefix(module_redis_prefix):
+    return module_redis_prefix
 
 
 def _router_args(redis_url: str, prefix: str, port: int) -> list[str]:
