@@ -3,18 +3,25 @@
 The chart is rendered by the real Helm library (``helm_python``, Helm's Go SDK through ctypes:
 no helm binary, no cluster). Flags come from running the real commands with ``--help`` and
 from their real settings loaders, so a chart or compose file that passes a flag the command
-does not accept fails here, not at ``docker compose up`` or ``helm install``.
+does not accept fails here, not at ``docker compose up`` or ``helm install``. The bundled Redis
+is run as its manifest or the compose file says (a real ``redis-server`` with their ACL file), and
+the routers' and workers' own code is run against it as the user each one logs in as.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import yaml
 
@@ -245,3 +252,177 @@ def vllm_server_settings(argv: list[str]) -> dict[str, Any] | None:
                                "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, f"vLLM refused {argv}:\n{proc.stderr[-3000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ---- what the kubelet gives a container, and a real Redis started as a manifest or compose says ----
+
+_ENV_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def pod_env(docs: list[dict[str, Any]], workload: dict[str, Any], name: str) -> dict[str, str]:
+    """The environment of container ``name`` as the kubelet builds it: values from the Secrets the
+    chart renders (decoded), pod fields from POD_ENV, and ``$(VAR)`` in a value replaced by a
+    variable defined earlier in the list (``$$`` is a literal ``$``). Variables from Secrets the
+    chart does not render are left out."""
+    import base64
+
+    secrets = {d["metadata"]["name"]: d["data"] for d in docs if d["kind"] == "Secret"}
+    fields = {"metadata.name": POD_ENV["POD_NAME"], "status.podIP": POD_ENV["POD_IP"],
+              "metadata.namespace": POD_ENV["POD_NAMESPACE"]}
+    env: dict[str, str] = {}
+    for entry in container(workload, name).get("env", []):
+        if "value" in entry:
+            env[entry["name"]] = _ENV_REF.sub(
+                lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), entry["value"])
+            continue
+        source = entry.get("valueFrom", {})
+        if "secretKeyRef" in source and source["secretKeyRef"]["name"] in secrets:
+            ref = source["secretKeyRef"]
+            env[entry["name"]] = base64.b64decode(secrets[ref["name"]][ref["key"]]).decode()
+        elif "fieldRef" in source:
+            env[entry["name"]] = fields[source["fieldRef"]["fieldPath"]]
+    return env
+
+
+def redis_server_version() -> tuple[int, ...]:
+    """The version of the redis-server on PATH (``make test`` installs one)."""
+    binary = shutil.which("redis-server")
+    assert binary, "redis-server is missing: `make redis` installs it"
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout
+    return tuple(int(n) for n in re.search(r"v=(\d+)\.(\d+)\.(\d+)", out).groups())
+
+
+@contextlib.contextmanager
+def redis_process(argv: list[str], env: dict[str, str], port: int, password: str) -> Iterator[str]:
+    """Run ``argv`` (a command that ends by exec'ing redis-server on ``port``) and yield the
+    default user's URL once Redis answers it; stop it afterwards."""
+    import redis
+
+    log = tempfile.NamedTemporaryFile(prefix="redis-", suffix=".log", delete=False)
+    proc = subprocess.Popen(argv, env={"PATH": os.environ.get("PATH", ""), **env}, stdout=log, stderr=log)
+    url = f"redis://:{password}@127.0.0.1:{port}/0"
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with redis.Redis.from_url(url, socket_timeout=1) as client:
+                    client.ping()
+                break
+            except redis.exceptions.RedisError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(f"Redis did not start: {Path(log.name).read_text()[-2000:]}") from None
+                time.sleep(0.05)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        log.close()
+        os.unlink(log.name)
+
+
+def acl_denials(admin_url: str) -> list[dict[str, Any]]:
+    """Redis's ACL LOG: every command, key or channel a user was refused since ``ACL LOG RESET``."""
+    import redis
+
+    with redis.Redis.from_url(admin_url) as client:
+        return client.acl_log()
+
+
+def not_refused(url: str, commands: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
+    """Those of ``commands`` the user of ``url`` may run (each one is refused: NOPERM)."""
+    import redis
+
+    allowed = []
+    with redis.Redis.from_url(url) as client:
+        for command in commands:
+            try:
+                client.execute_command(*command)
+            except redis.exceptions.NoPermissionError:
+                continue
+            except redis.exceptions.ResponseError:
+                pass  # allowed, and failed for another reason (a wrong type, say)
+            allowed.append(command)
+    return allowed
+
+
+@dataclasses.dataclass
+class RoleRun:
+    """What the real worker and router code did against Redis in :func:`run_worker_and_router`."""
+
+    worker_heartbeats: int
+    worker_events_published: int
+    worker_failures: int
+    router_saw_worker: bool
+    router_events_applied: int
+    router_resync: str
+    config_version: int
+    pruned: bool
+    drains_left: int
+    worker_keys_left: int
+
+
+def run_worker_and_router(router_url: str, worker_url: str, admin_url: str, prefix: str) -> RoleRun:
+    """Every Redis command the routers and workers send, sent by their own code: a worker
+    (``RedisPublisher``) heartbeats and publishes a KV event; a router (``RedisState``) syncs
+    (snapshot, registry, loads, drains, config, the event stream), prunes a stale registration,
+    writes and reads a snapshot, resyncs, blocks on the stream, shares a drain and its end and a
+    config change; then the worker deregisters. ``admin_url`` (the default user) only stages the
+    stale registration and reads the outcome."""
+    import asyncio
+
+    import redis
+
+    from protocol import LoadReport, RedisKeys, WorkerInfo
+    from router.fleet.registry import WorkerRegistry
+    from router.metrics import RouterMetrics
+    from router.routing.balancer import Balancer
+    from router.state import RedisState
+    from worker.server.publisher import RedisPublisher
+
+    keys = RedisKeys(prefix)
+    worker_id = "worker-0"
+    info = WorkerInfo(worker_id=worker_id, url="http://10.0.0.7:8000", model="tiny", block_size=16,
+                      chunk_size=128, capacity_tokens=1024, max_num_seqs=8, status="ready")
+    with redis.Redis.from_url(admin_url) as admin:
+        admin.zadd(keys.workers, {"gone-worker": time.time()})  # registered once, its entry expired
+
+    async def run() -> RoleRun:
+        publisher = RedisPublisher(worker_url, keys, info, lambda: LoadReport(worker_id=worker_id),
+                                   heartbeat_interval=0.05, max_backoff=0.1)
+        publisher.start()
+        publisher.publish("stored", [11, 22, 33])
+        deadline = time.monotonic() + 10
+        while publisher.stats.published < 1 or publisher.stats.heartbeats < 1:
+            assert time.monotonic() < deadline, f"the worker never wrote to Redis: {publisher.stats}"
+            await asyncio.sleep(0.02)
+        balancer = Balancer(chunk_size=128)
+        state = RedisState(router_url, keys, balancer, WorkerRegistry(balancer), RouterMetrics(),
+                           apply_config=lambda values: None)
+        state.connect()
+        try:
+            await state.sync()
+            state.synced = True
+            saw_worker = any(w.worker_id == worker_id for w in state.registry.all())
+            await state.write_snapshot()
+            await state.load_snapshot()
+            resync = await state.resync()
+            await state.read_events(block_ms=50)
+            await state.publish_drain(info.url, True)
+            await state.publish_drain("http://10.0.0.8:8000", True)
+            await state.publish_drain(info.url, False)
+            await state.publish_config({"affinity": 0.5})
+            await state.sync_registry()
+        finally:
+            await state.close()
+        await publisher.stop()
+        with redis.Redis.from_url(admin_url) as admin:
+            return RoleRun(
+                worker_heartbeats=publisher.stats.heartbeats, worker_events_published=publisher.stats.published,
+                worker_failures=publisher.stats.failures, router_saw_worker=saw_worker,
+                router_events_applied=state.events_applied, router_resync=resync,
+                config_version=state.config_version,
+                pruned=admin.zscore(keys.workers, "gone-worker") is None,
+                drains_left=admin.hlen(keys.drains),
+                worker_keys_left=admin.exists(keys.worker(worker_id), keys.load(worker_id)))
+
+    return asyncio.run(run())

@@ -3,8 +3,8 @@
 There is no Docker engine here, so the containers cannot run; what can run is exactly what they
 would: each service's command from the compose file (as Docker Compose resolves it), started as
 ``prefixlb <component> <command>``, with only the addresses rewritten to loopback — the compose
-service names become 127.0.0.1 ports, the compose Redis becomes the test Redis under a private
-key prefix. The official ``openai`` client then calls both routers. The stack runs with the API
+service names become 127.0.0.1 ports, the compose Redis (with its generated per-role passwords,
+checked by tests/unit/test_compose.py) becomes the test Redis under a private key prefix. The official ``openai`` client then calls both routers. The stack runs with the API
 keys an operator sets in the environment (clients -> routers, routers -> workers).
 """
 from __future__ import annotations
@@ -53,7 +53,9 @@ def _local_args(command: list[str], ports: dict[str, int], redis_url: str) -> li
 def stack(tmp_path_factory, redis_server_url):
     import redis
 
-    services = {n: s for n, s in _resolved_services().items() if n != "redis"}
+    # Redis and its one-shot password maker are the test Redis here; the routers and workers build
+    # their --redis URL (with their role's password) in their entrypoint, so it is passed directly.
+    services = {n: s for n, s in _resolved_services().items() if not n.startswith("redis")}
     ports = {name: free_port() for name in services}
     admin_ports: dict[str, int] = {}
     prefix = f"prefixlb-test-{uuid.uuid4().hex[:10]}:"
@@ -69,7 +71,7 @@ def stack(tmp_path_factory, redis_server_url):
                 if "--admin-port" in args:
                     admin_ports[name] = free_port()
                     args[args.index("--admin-port") + 1] = str(admin_ports[name])
-                args += ["--redis-prefix", prefix]
+                args += ["--redis", redis_server_url, "--redis-prefix", prefix]
                 procs.append(spawn([component, *args], logs, name, ports[name], ready_path=None,
                                    env={k: str(v) for k, v in (services[name].get("environment") or {}).items()}))
             routers = {p.log.stem: p for p in procs if p.log.stem.startswith("router")}

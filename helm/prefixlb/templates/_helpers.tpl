@@ -68,16 +68,53 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 {{- end -}}
 
-{{/*
-The Redis URL routers and workers use: the bundled Redis when redis.enabled, else redis.url.
-Empty when neither (no Redis: each router keeps its state in memory).
-*/}}
-{{- define "prefixlb.redisUrl" -}}
-{{- if .Values.redis.enabled -}}
-{{- printf "redis://%s:%d/0" (include "prefixlb.redisName" .) (int .Values.redis.port) -}}
-{{- else -}}
-{{- .Values.redis.url -}}
+{{/* The Secret holding the bundled Redis's passwords (redis.auth). */}}
+{{- define "prefixlb.redisSecretName" -}}
+{{- default (include "prefixlb.redisName" .) .Values.redis.auth.existingSecret -}}
 {{- end -}}
+
+{{/*
+The environment that gives a router or a worker its Redis URL (call with (dict "ctx" $ "role"
+"router")): for the bundled Redis, the role's password from the Secret as REDIS_PASSWORD, then
+the URL with it (the kubelet expands $(REDIS_PASSWORD) from the variable defined just before, so
+the password is in no pod spec and no argument); for an external Redis whose URL is in a Secret,
+that URL. Nothing for redis.url (a flag) or no Redis.
+*/}}
+{{- define "prefixlb.redisEnv" -}}
+{{- $v := .ctx.Values.redis -}}
+{{- $var := printf "PREFIXLB_%s_REDIS" (upper .role) -}}
+{{- if $v.enabled }}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "prefixlb.redisSecretName" .ctx }}
+      key: {{ ternary (index $v.auth (printf "%sPasswordKey" .role)) $v.auth.passwordKey $v.auth.acl }}
+- name: {{ $var }}
+  value: {{ printf "redis://%s:$(REDIS_PASSWORD)@%s:%d/0" (ternary .role "" $v.auth.acl) (include "prefixlb.redisName" .ctx) (int $v.port) | quote }}
+{{- else if $v.existingSecret }}
+- name: {{ $var }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ $v.existingSecret }}
+      key: {{ $v.existingSecretKey }}
+{{- end }}
+{{- end -}}
+
+{{/*
+The ACL rules of the bundled Redis's `router` and `worker` users (redis.auth.acl), without their
+passwords: each user may run only the commands its code sends (router/state.py,
+worker/server/publisher.py), each on only the keys it sends them to (protocol/keys.py), by
+Redis 7 selectors "(keys commands)". Workers write their registration, load report and heartbeat
+and append KV events; they cannot read, drain, change the shared config or touch the index
+snapshot. Routers read registrations, load reports and the event stream, prune the heartbeat set,
+and own the snapshot, the shared config and the drains. CLIENT SETINFO is the name redis-py gives
+its connections. tests/unit/test_helm_redis_auth.py runs the real router and worker code against
+a redis-server with these rules, and the commands each role must be refused.
+*/}}
+{{- define "prefixlb.redisAclRules" -}}
+{{- $p := .Values.redis.keyPrefix -}}
+router: {{ printf "resetchannels -@all +multi +exec +discard +ping +client|setinfo %%R~%sworker:* %%R~%sload:* +mget (~%sworkers +zrange +zrem) (%%R~%skv_events +xread +xinfo|stream) (~%sindex_snapshot +get +set) (~%sconfig +hgetall +hincrby +hset) (~%sdrains +hkeys +hset +hdel +expire)" $p $p $p $p $p $p $p | quote }}
+worker: {{ printf "resetchannels -@all +ping +client|setinfo %%W~%sworker:* %%W~%sload:* +set +del (%%W~%sworkers +zadd +zrem) (%%W~%skv_events +xadd)" $p $p $p $p | quote }}
 {{- end -}}
 
 {{/* True (non-empty) when routers and workers talk to some Redis. */}}
