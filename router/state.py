@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import random
 import time
@@ -321,11 +322,16 @@ class RedisState:
         log.warning("event=message_dropped kind=%s %s", kind, detail)
 
     async def sync_drains(self) -> None:
-        """Drain the workers another router drained (admin API); undrain those it undrained."""
+        """Drain the workers another router drained (admin API); undrain those it undrained.
+
+        A drain names the worker's URL *and* the id it had then: a pod that later gets the same
+        address under another id (Kubernetes reuses pod IPs) is not drained by it.
+        """
         assert self._client is not None
-        drained = {_text(url) for url in await self._client.hkeys(self.keys.drains)}
+        drains = {_text(url): _text(value) for url, value in (await self._client.hgetall(self.keys.drains)).items()}
         for w in self.registry.all():
-            if w.url in drained:
+            drained_id = drains.get(w.url)
+            if drained_id is not None and _drain_applies(drained_id, w.worker_id):
                 if not w.admin_drain:
                     log.info("event=worker_drain_adopted url=%s worker_id=%s", w.url, w.worker_id)
                     self.registry.drain(w.url)
@@ -334,12 +340,12 @@ class RedisState:
                 log.info("event=worker_undrain_adopted url=%s worker_id=%s", w.url, w.worker_id)
                 self.registry.undrain(w)
 
-    async def publish_drain(self, url: str, drained: bool) -> None:
+    async def publish_drain(self, url: str, drained: bool, worker_id: str | None = None) -> None:
         """Share an admin drain (or its end) with every router (raises ``RedisError`` if Redis is gone)."""
         assert self._client is not None
         if drained:
             async with self._client.pipeline(transaction=True) as pipe:
-                pipe.hset(self.keys.drains, url, repr(time.time()))
+                pipe.hset(self.keys.drains, url, json.dumps({"worker_id": worker_id, "at": time.time()}))
                 pipe.expire(self.keys.drains, DRAINS_TTL_S)
                 await pipe.execute()
         else:
@@ -471,6 +477,17 @@ async def _cancel_and_wait(tasks: list[asyncio.Task], timeout: float) -> None:
     for t in tasks:
         if t.done() and not t.cancelled() and t.exception() is not None:
             log.error("event=redis_task_failed task=%s error=%r", t.get_name(), t.exception())
+
+
+def _drain_applies(value: str, worker_id: str | None) -> bool:
+    """Whether a shared drain entry (JSON naming the drained worker's id; older routers wrote a
+    bare timestamp, which names none) applies to the worker now at that URL."""
+    try:
+        drained = json.loads(value).get("worker_id")
+    except (ValueError, AttributeError):
+        return True  # an entry of an older router: by URL, as it meant
+    # a drain that names a worker waits until the worker at that URL has said who it is
+    return drained is None or drained == worker_id
 
 
 def _stream_id(value: Any) -> tuple[int, int]:

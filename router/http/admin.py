@@ -132,18 +132,18 @@ async def drain_worker(request: web.Request) -> web.Response:
     w = ctx.registry.drain(request.match_info["key"])
     if w is None:
         raise _error(404, "No such worker", "not_found_error", "worker_not_found")
-    shared = await _share_drain(ctx, w.url, True)
+    shared = await _share_drain(ctx, w.url, True, w.worker_id)
     w.drain_shared = shared
     return web.json_response({**w.to_dict(), "shared": shared})
 
 
-async def _share_drain(ctx: RouterContext, url: str, drained: bool) -> bool:
+async def _share_drain(ctx: RouterContext, url: str, drained: bool, worker_id: str | None = None) -> bool:
     """Tell the other routers through Redis; False without Redis or while it is unreachable (this
     router's own drain holds regardless; the operator repeats it on the others, or once Redis is back)."""
     if ctx.state is None:
         return False
     try:
-        await ctx.state.publish_drain(url, drained)
+        await ctx.state.publish_drain(url, drained, worker_id)
         return True
     except (RedisError, OSError) as exc:
         log.warning("event=drain_not_shared url=%s error=%r", url, str(exc)[:200])

@@ -7,6 +7,7 @@ cluster tests run real workers publishing for themselves.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import aiohttp
@@ -204,3 +205,22 @@ async def test_a_drain_asked_of_one_router_drains_the_worker_on_every_router(red
     client = redis.Redis.from_url(redis_server_url)
     assert client.hlen(RedisKeys(redis_prefix).drains) == 0
     client.close()
+
+
+async def test_a_shared_drain_names_the_worker_so_a_new_pod_at_its_address_is_not_drained(redis_server_url,
+                                                                                         redis_prefix):
+    argv = ("--redis", redis_server_url, "--redis-prefix", redis_prefix, "--registry-interval", "0.1",
+            "--admin-token", "s3cret", "--health-interval", "0.2")
+    async with scripted_workers("w1") as (w1,):
+        keys = RedisKeys(redis_prefix)
+        client = redis.Redis.from_url(redis_server_url)
+        # another router drained the pod that had this address before, under another id
+        client.hset(keys.drains, w1.url, json.dumps({"worker_id": "old-pod", "at": 1.0}))
+        async with running_router(*argv, "--worker", w1.url) as (a, url_a):
+            await wait_until(lambda: a.balancer.routable() == ["w1"], what="w1 routable")
+            await asyncio.sleep(0.5)  # five registry syncs: the old pod's drain must not take w1
+            assert a.balancer.routable() == ["w1"]
+            # a drain of w1 itself (by id) applies
+            client.hset(keys.drains, w1.url, json.dumps({"worker_id": "w1", "at": 2.0}))
+            await wait_until(lambda: a.balancer.routable() == [], what="w1 drained by its own drain")
+        client.close()

@@ -113,7 +113,7 @@ a redis-server with these rules, and the commands each role must be refused.
 */}}
 {{- define "prefixlb.redisAclRules" -}}
 {{- $p := .Values.redis.keyPrefix -}}
-router: {{ printf "resetchannels -@all +multi +exec +discard +ping +client|setinfo %%R~%sworker:* %%R~%sload:* +mget (~%sworkers +zrange +zrem) (%%R~%skv_events +xread +xinfo|stream) (~%sindex_snapshot +get +set) (~%sconfig +hgetall +hincrby +hset) (~%sdrains +hkeys +hset +hdel +expire)" $p $p $p $p $p $p $p | quote }}
+router: {{ printf "resetchannels -@all +multi +exec +discard +ping +client|setinfo %%R~%sworker:* %%R~%sload:* +mget (~%sworkers +zrange +zrem) (%%R~%skv_events +xread +xinfo|stream) (~%sindex_snapshot +get +set) (~%sconfig +hgetall +hincrby +hset) (~%sdrains +hgetall +hset +hdel +expire)" $p $p $p $p $p $p $p | quote }}
 worker: {{ printf "resetchannels -@all +ping +client|setinfo %%W~%sworker:* %%W~%sload:* +set +del (%%W~%sworkers +zadd +zrem) (%%W~%skv_events +xadd)" $p $p $p $p | quote }}
 {{- end -}}
 
