@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "sweep": "sweep affinity 0..1 in the fleet simulator and plot hit rate vs p99 TTFT",
     "model": "model utilities: `model save tiny DIR` writes a Hugging Face checkpoint",
     "cost": "what prefix caching saves on a trace or a run, priced with price books",
+    "signing-key": "a worker's key for signing what it writes into Redis (from the fleet secret)",
 }
 
 # What the base install lacks, by the extra that brings it (pyproject.toml's optional
@@ -45,7 +46,7 @@ def missing_extra(command: str, module: str | None) -> str | None:
 
 def _usage() -> str:
     lines = ["usage: prefixlb <command> [options]", "", "commands:"]
-    lines += [f"  {name:<8} {text}" for name, text in SUBCOMMANDS.items()]
+    lines += [f"  {name:<11} {text}" for name, text in SUBCOMMANDS.items()]
     lines += ["", "`prefixlb <command> --help` shows a command's options."]
     return "\n".join(lines)
 
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prefixlb: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     try:
-        module = importlib.import_module(f"prefixlb.commands.{name}")
+        module = importlib.import_module(f"prefixlb.commands.{name.replace('-', '_')}")
         return int(module.main(rest) or 0)
     except ModuleNotFoundError as exc:
         extra = missing_extra(name, exc.name)

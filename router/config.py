@@ -46,6 +46,9 @@ class RouterConfig:
     redis: str | None = setting(None, "Redis URL for shared state: redis://, rediss://, unix:// or "
                                 "redis+sentinel://H:P[,H:P...]/SERVICE (none: everything in memory)")
     redis_prefix: str = setting(DEFAULT_PREFIX, "prefix of every Redis key")
+    redis_signing_secret: str | None = setting(None, "fleet secret: accept from Redis only registrations, load "
+                                               "reports and KV events signed with their worker's key "
+                                               "(protocol/signing.py; workers: --redis-signing-key)", secret=True)
     admin_token: str | None = setting(None, "bearer token of the /admin/ API (unset: admin API refused; the "
                                       "placeholder 'change-me' older examples shipped is refused at start)",
                                       secret=True)

@@ -228,7 +228,7 @@ def build_context(cfg: RouterConfig) -> RouterContext:
         # only after start(), when ``ctx`` is bound.
         state = RedisState(cfg.redis, RedisKeys(cfg.redis_prefix), balancer, registry, metrics,
                            cfg.registry_interval, cfg.snapshot_interval, lambda values: ctx._shared_config(values),
-                           registry_grace=cfg.registry_grace)
+                           registry_grace=cfg.registry_grace, signing_secret=cfg.redis_signing_secret)
     tokenizers = None
     if cfg.tokenizers:
         from router.fleet.tokenizers import load_backend_tokenizers

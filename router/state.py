@@ -42,6 +42,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from protocol import KVEvent, LoadReport, MessageError, RedisKeys, WorkerInfo
 from protocol.redis_url import redis_client
+from protocol.signing import verify
 from router.routing.balancer import Balancer
 from router.metrics import RouterMetrics
 from router.fleet.registry import ROUTABLE, WARMING, InvalidWorkerURL, WorkerRegistry
@@ -64,8 +65,9 @@ class RedisState:
     def __init__(self, url: str, keys: RedisKeys, balancer: Balancer, registry: WorkerRegistry,
                  metrics: RouterMetrics, registry_interval: float = 1.0, snapshot_interval: float = 30.0,
                  apply_config: Callable[[dict[str, str]], None] | None = None,
-                 registry_grace: float = 15.0) -> None:
+                 registry_grace: float = 15.0, signing_secret: str | None = None) -> None:
         self.url = url
+        self.signing_secret = signing_secret  # protocol/signing.py: only signed worker messages count
         self.keys = keys
         self.balancer = balancer
         self.registry = registry
@@ -244,7 +246,7 @@ class RedisState:
                 if raw is None:
                     continue
                 try:
-                    event = KVEvent.from_json(raw)
+                    event = self._message(KVEvent, raw)
                 except (MessageError, UnicodeDecodeError, ValueError) as exc:
                     self._dropped("kv_event", f"id={self.last_id} error={str(exc)[:200]!r}")
                     continue
@@ -308,7 +310,7 @@ class RedisState:
     def _decode(self, cls: type, raw: Any, worker_id: str, kind: str) -> Any:
         """A registration or load report read under ``worker_id``'s key, or None (dropped, counted)."""
         try:
-            message = cls.from_json(raw)
+            message = self._message(cls, raw)
         except (MessageError, UnicodeDecodeError, ValueError) as exc:
             self._dropped(kind, f"worker_id={worker_id!r} error={str(exc)[:200]!r}")
             return None
@@ -316,6 +318,13 @@ class RedisState:
             self._dropped(kind, f"key={worker_id!r} names={message.worker_id!r}")
             return None
         return message
+
+    def _message(self, cls: type, raw: Any) -> Any:
+        """Decode one worker message; with a signing secret only a validly signed one
+        (raises MessageError, SignatureError or ValueError)."""
+        if self.signing_secret is None:
+            return cls.from_json(raw)
+        return cls.from_dict(verify(raw, self.signing_secret))
 
     def _dropped(self, kind: str, detail: str) -> None:
         self.metrics.messages_dropped.labels(kind).inc()

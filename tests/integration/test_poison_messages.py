@@ -177,3 +177,45 @@ def test_a_poisoned_config_version_is_ignored_and_the_next_change_reaches_every_
                          for x in routers), 5, what="the change adopted by every router")
     assert int(r.hget(keys.config, "version")) >= 1
     r.close()
+
+
+def test_with_a_signing_secret_only_what_a_worker_signed_itself_counts(tmp_path_factory, redis_server_url,
+                                                                        redis_prefix):
+    from protocol.signing import sign, worker_key
+
+    secret = "fleet-signing-secret-for-tests"
+    logs = tmp_path_factory.mktemp("signed")
+    keys = RedisKeys(redis_prefix)
+    wport, rport = free_port(), free_port()
+    worker = spawn(["worker", "--model", "tiny", "--port", str(wport), "--worker-id", "w0", "--redis",
+                    redis_server_url, "--redis-prefix", redis_prefix, "--advertise", f"http://127.0.0.1:{wport}",
+                    "--heartbeat-interval", "0.2", "--redis-signing-key", worker_key(secret, "w0")],
+                   logs, "worker", wport, timeout=120)
+    router = spawn(["router", "--port", str(rport), "--redis", redis_server_url, "--redis-prefix", redis_prefix,
+                    "--registry-interval", "0.2", "--health-interval", "0.5", "--redis-signing-secret", secret],
+                   logs, "router", rport)
+    r = redis.Redis.from_url(redis_server_url)
+    try:
+        # the signed worker self-registers (no --worker flag): it joins
+        wait_for(lambda: call(router.url + "/health").json["routable_workers"] == 1, 30, what="w0 joined signed")
+        assert _complete(router, "signed " * 300) == 200
+        stored = _metric(router, "prefixlb_router_kv_events_total", kind="stored")
+        assert stored >= 1  # its own (signed) KV events are applied
+        cleared = _metric(router, "prefixlb_router_kv_events_total", kind="cleared")  # its start-up "cleared"
+        # another worker, holding only its own key, writes as w0; an unsigned writer registers itself
+        forged = sign(KVEvent(worker_id="w0", kind="cleared").to_dict(), worker_key(secret, "w1"))
+        r.xadd(keys.kv_events, {"e": forged})
+        r.xadd(keys.kv_events, {"e": KVEvent(worker_id="w0", kind="cleared").to_json()})
+        r.set(keys.worker("intruder"), json.dumps({"worker_id": "intruder", "url": "http://127.0.0.1:9",
+                                                   "model": "tiny"}), ex=60)
+        r.zadd(keys.workers, {"intruder": 1e12})
+        wait_for(lambda: _metric(router, "prefixlb_router_messages_dropped_total", kind="kv_event") >= 2
+                 and _metric(router, "prefixlb_router_messages_dropped_total", kind="registration") >= 1, 10,
+                 what="the forged and unsigned messages dropped")
+        assert _metric(router, "prefixlb_router_kv_events_total", kind="cleared") == cleared
+        assert call(router.url + "/health").json["known_workers"] == 1
+        assert all(_complete(router, f"still signed {i} " * 40) == 200 for i in range(5))
+    finally:
+        r.close()
+        router.stop()
+        worker.stop()

@@ -129,7 +129,8 @@ def make_context(cfg: ServerConfig, engine: AsyncLLMEngine, built: BuiltEngine) 
     if cfg.redis:
         publisher = functools.partial(RedisPublisher, cfg.redis, RedisKeys(cfg.redis_prefix),
                                       heartbeat_interval=cfg.heartbeat_interval, ttl=cfg.registry_ttl,
-                                      stream_maxlen=cfg.kv_stream_maxlen, queue_size=cfg.publish_queue)
+                                      stream_maxlen=cfg.kv_stream_maxlen, queue_size=cfg.publish_queue,
+                                      signing_key=cfg.redis_signing_key)
     return WorkerContext(engine=engine, model_name=cfg.model_name, worker_id=cfg.resolved_worker_id,
                          url=cfg.advertise_url, chunk_size=cfg.chunk_size,
                          limits=RequestLimits(max_body_bytes=cfg.max_body_bytes), simulated=cfg.simulate,

@@ -63,6 +63,9 @@ class ServerConfig:
     redis: str | None = setting(None, "Redis URL (redis://, rediss://, unix:// or redis+sentinel://H:P[,H:P...]/SERVICE): "
                                 "register, heartbeat load, publish KV events")
     redis_prefix: str = setting(DEFAULT_PREFIX, "prefix of every Redis key")
+    redis_signing_key: str | None = setting(None, "this worker's key for signing what it writes into Redis "
+                                            "(`prefixlb signing-key --worker-id ID` prints it from the fleet "
+                                            "secret routers take as --redis-signing-secret)", secret=True)
     advertise: str | None = setting(None, "URL routers use to reach this worker (default: http://host:port)")
     heartbeat_interval: float = setting(0.5, "seconds between load reports", minimum=0.05, maximum=60)
     registry_ttl: float = setting(5.0, "seconds a registration lives without a heartbeat", minimum=1)

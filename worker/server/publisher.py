@@ -29,6 +29,7 @@ from redis.exceptions import RedisError
 from protocol.keys import RedisKeys
 from protocol.messages import KVEvent, LoadReport, WorkerInfo
 from protocol.redis_url import redis_client
+from protocol.signing import sign
 from protocol.settings import redact_url
 
 log = logging.getLogger("prefixlb.worker.publisher")
@@ -56,8 +57,9 @@ class RedisPublisher:
 
     def __init__(self, url: str, keys: RedisKeys, info: WorkerInfo, load: Callable[[], LoadReport],
                  heartbeat_interval: float = 0.5, ttl: float = 5.0, stream_maxlen: int = 100_000,
-                 queue_size: int = 10_000, max_backoff: float = 5.0) -> None:
+                 queue_size: int = 10_000, max_backoff: float = 5.0, signing_key: str | None = None) -> None:
         self.url = url
+        self.signing_key = signing_key  # protocol/signing.py: this worker's key, when the fleet signs
         self.keys = keys
         self.info = info
         self.load = load
@@ -129,6 +131,10 @@ class RedisPublisher:
 
     # ------------------------------------------------------------------ background task
 
+    def _text(self, message: WorkerInfo | LoadReport | KVEvent) -> str:
+        """The message as written to Redis: signed with this worker's key when it has one."""
+        return sign(message.to_dict(), self.signing_key) if self.signing_key else message.to_json()
+
     async def _connect(self) -> aioredis.Redis:
         if self._client is None:
             self._client = redis_client(self.url, socket_connect_timeout=1.0, socket_timeout=2.0,
@@ -189,8 +195,8 @@ class RedisPublisher:
         report.status = self.info.status
         wid = self.info.worker_id
         pipe = client.pipeline(transaction=False)
-        pipe.set(self.keys.worker(wid), self.info.to_json(), px=self.ttl_ms)
-        pipe.set(self.keys.load(wid), report.to_json(), px=self.ttl_ms)
+        pipe.set(self.keys.worker(wid), self._text(self.info), px=self.ttl_ms)
+        pipe.set(self.keys.load(wid), self._text(report), px=self.ttl_ms)
         pipe.zadd(self.keys.workers, {wid: time.time()})
         await pipe.execute()
         self.stats.heartbeats += 1
@@ -199,7 +205,7 @@ class RedisPublisher:
         batch = [self._queue[i] for i in range(min(BATCH, len(self._queue)))]
         pipe = client.pipeline(transaction=False)
         for event in batch:
-            pipe.xadd(self.keys.kv_events, {"e": event.to_json()}, maxlen=self.stream_maxlen,
+            pipe.xadd(self.keys.kv_events, {"e": self._text(event)}, maxlen=self.stream_maxlen,
                       approximate=True)
         await pipe.execute()
         last = batch[-1].seq
