@@ -192,6 +192,13 @@ class RouterContext:
         if self.state is not None:
             yield _gauge("prefixlb_router_redis_up", "1 while every Redis task succeeds",
                          1.0 if self.state.status() == "up" else 0.0)
+            age = GaugeMetricFamily("prefixlb_router_loop_age_seconds",
+                                    "Seconds since a Redis loop last came round (a stuck one turns /health 503)",
+                                    labels=["task"])
+            now = time.monotonic()
+            for task, (seen, _) in sorted(self.state.loop_seen.items()):
+                age.add_metric([task], now - seen)
+            yield age
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

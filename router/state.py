@@ -53,6 +53,7 @@ log = logging.getLogger("prefixlb.router.state")
 READ_COUNT = 1000
 SNAPSHOT_SLICE = 5000  # index entries copied between two yields to the event loop
 BACKOFF_S = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
+STALL_SLACK_S = 30.0  # beyond 3 rounds of its period, a loop not come round in this long is stuck
 REDIS_SOURCE = "redis"
 MAX_CONFIG_VERSION = 2**53  # beyond this a shared config version is not a counter's (poison)
 MAX_REGISTERED = 10_000  # self-registered workers read from Redis at most (a registry size cap)
@@ -85,7 +86,8 @@ class RedisState:
         self._tasks: list[asyncio.Task] = []
         self._closing = False
         self._down: set[str] = set()
-        self._registered: set[str] = set()  # worker ids registered in Redis at the last registry sync
+        self._registered: set[str] = set()
+        self.loop_seen: dict[str, tuple[float, float]] = {}  # loop -> (last time round, stall limit)  # worker ids registered in Redis at the last registry sync
         self._snapshot_now = asyncio.Event()
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -402,9 +404,19 @@ class RedisState:
         self.config_version = int(version)
 
     # -- loops ------------------------------------------------------------------------------
+    def stalled(self) -> list[str]:
+        """Loops that have not come round for far longer than they should: stuck (a hung await,
+        a bug), not merely failing -- a loop that fails still comes round with its backoff."""
+        now = time.monotonic()
+        return sorted(task for task, (seen, limit) in self.loop_seen.items() if now - seen > limit)
+
+    def _alive(self, task: str, limit_s: float) -> None:
+        self.loop_seen[task] = (time.monotonic(), limit_s)
+
     async def _every(self, interval: float, step: Callable[[], Any], task: str) -> None:
         failures = 0
         while not self._closing:
+            self._alive(task, STALL_SLACK_S + 3 * interval)
             try:
                 await step()
                 self._recovered(task)
@@ -422,6 +434,7 @@ class RedisState:
     async def _events_loop(self) -> None:
         failures = 0
         while not self._closing:
+            self._alive("events", STALL_SLACK_S + 3 * max(BACKOFF_S))
             try:
                 if failures or not self.synced:
                     await self.resync()
@@ -440,6 +453,7 @@ class RedisState:
     async def _snapshot_loop(self) -> None:
         rng = random.Random()
         while not self._closing:
+            self._alive("snapshot", STALL_SLACK_S + 3 * self.snapshot_interval)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._snapshot_now.wait(), self.snapshot_interval * rng.uniform(0.8, 1.2))
             self._snapshot_now.clear()

@@ -145,6 +145,12 @@ async def health(request: web.Request) -> web.Response:
     # 200 either way (a liveness probe must not restart a router whose workers are down), but
     # the status says when it cannot route anything.
     status = "ok" if routable or not len(ctx.registry) else "no_routable_workers"
+    stalled = ctx.state.stalled() if ctx.state else []
+    if stalled:
+        # A background loop is stuck (not failing: stuck): this router's view of the fleet is
+        # frozen. 503, so that an orchestrator restarts it.
+        return web.json_response({"status": "loop_stalled", "stalled_loops": stalled, "routable_workers": routable,
+                                  "known_workers": len(ctx.registry), "redis": ctx.state.status()}, status=503)
     return web.json_response({"status": status, "routable_workers": routable, "known_workers": len(ctx.registry),
                               "redis": ctx.state.status() if ctx.state else "disabled"})
 

@@ -224,3 +224,28 @@ async def test_a_shared_drain_names_the_worker_so_a_new_pod_at_its_address_is_no
             client.hset(keys.drains, w1.url, json.dumps({"worker_id": "w1", "at": 2.0}))
             await wait_until(lambda: a.balancer.routable() == [], what="w1 drained by its own drain")
         client.close()
+
+
+async def test_a_stuck_redis_loop_turns_health_503_and_shows_in_metrics(redis_server_url, redis_prefix, monkeypatch):
+    import router.state as state_module
+
+    monkeypatch.setattr(state_module, "STALL_SLACK_S", 0.3)
+    argv = ("--redis", redis_server_url, "--redis-prefix", redis_prefix, "--registry-interval", "0.05")
+    async with running_router(*argv) as (ctx, url):
+        async with aiohttp.ClientSession() as http:
+            async with http.get(url + "/health") as resp:
+                assert resp.status == 200 and (await resp.json())["status"] == "ok"
+            hang = asyncio.Event()
+
+            async def stuck() -> None:  # an await that never returns: not an error, a hang
+                await hang.wait()
+
+            ctx.state.sync_drains = stuck  # called by each registry sync
+            await wait_until(lambda: ctx.state.stalled() == ["registry"], timeout=5, what="the registry loop stalled")
+            async with http.get(url + "/health") as resp:
+                body = await resp.json()
+                assert resp.status == 503 and body["status"] == "loop_stalled" and body["stalled_loops"] == ["registry"]
+            async with http.get(url + "/metrics") as resp:
+                assert 'prefixlb_router_loop_age_seconds{task="registry"}' in await resp.text()
+            hang.set()
+            await wait_until(lambda: ctx.state.stalled() == [], timeout=5, what="the loop coming round again")
