@@ -19,6 +19,8 @@ serving while a legitimate 16 MiB prompt is parsed.
 from __future__ import annotations
 
 import asyncio
+import os
+import weakref
 import json
 import re
 from dataclasses import dataclass
@@ -127,12 +129,23 @@ def parse_json_body(raw: bytes, limits: RequestLimits = DEFAULT_LIMITS) -> dict[
     return body
 
 
+_LARGE_PARSES: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore]" = weakref.WeakKeyDictionary()
+
+
 async def decode_off_loop(raw: bytes, decode: Callable[..., T], *args: Any) -> T:
     """``decode(raw, *args)``, in a worker thread when ``raw`` is over :data:`OFF_LOOP_BYTES`
-    (parsing a large body would otherwise stall every other request and probe on the loop)."""
-    if len(raw) > OFF_LOOP_BYTES:
+    (parsing a large body would otherwise stall every other request and probe on the loop).
+
+    At most one large body per core is being checked and parsed at a time: each holds several
+    transient copies of its bytes, and more threads than cores only add memory, not speed."""
+    if len(raw) <= OFF_LOOP_BYTES:
+        return decode(raw, *args)
+    loop = asyncio.get_running_loop()
+    gate = _LARGE_PARSES.get(loop)
+    if gate is None:
+        gate = _LARGE_PARSES[loop] = asyncio.Semaphore(max(1, min(4, os.cpu_count() or 1)))
+    async with gate:
         return await asyncio.to_thread(decode, raw, *args)
-    return decode(raw, *args)
 
 
 def _too_many_nodes(nodes: int, budget: int, size: int) -> OpenAIError:
