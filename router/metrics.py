@@ -17,6 +17,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2)
 TOKEN_ERROR_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536)
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 LAG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
@@ -90,6 +91,12 @@ class RouterMetrics:
                                         "snapshot)", ["kind"], registry=r)
         self.loop_errors = Counter("prefixlb_router_loop_errors_total",
                                    "Unexpected errors a background loop survived, by loop", ["task"], registry=r)
+        self.ttfb = Histogram("prefixlb_router_time_to_first_byte_seconds",
+                              "Arrival at the router to the worker's first bytes (streaming: the first token; "
+                              "else the whole answer), by model", ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.duration = Histogram("prefixlb_router_request_duration_seconds",
+                                  "Arrival at the router to the end of the answer, by model (errors included)",
+                                  ["model"], buckets=LATENCY_BUCKETS, registry=r)
         self._feedback: dict[str, tuple] = {}
         self._unreported_logged: set[str] = set()
         self._requests: dict[tuple[str, str], Any] = {}
@@ -121,6 +128,12 @@ class RouterMetrics:
             return False
         self._unreported_logged.add(worker_id)
         return True
+
+    def observe_request(self, model: str, ttfb_s: float | None, duration_s: float) -> None:
+        """A finished request's time to first byte (None: no worker answered) and duration."""
+        if ttfb_s is not None:
+            self.ttfb.labels(model).observe(ttfb_s)
+        self.duration.labels(model).observe(duration_s)
 
     def count_request(self, worker_id: str, reason: str) -> None:
         """Count a routed request (label children cached: this runs for every request)."""

@@ -9,9 +9,12 @@ are ``protocol/api_keys.py``'s (see :func:`middlewares`).
 """
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import math
 import time
+import uuid
 from typing import Awaitable, Callable, Sequence
 
 from aiohttp import web
@@ -19,16 +22,19 @@ from aiohttp import web
 from protocol import RenderError
 from protocol.api_keys import api_key_middleware
 from protocol.http_errors import error_middleware
-from protocol.openai_api import RequestLimits, bad_request, model_not_found, parse_request
+from protocol.openai_api import OpenAIError, RequestLimits, bad_request, model_not_found, parse_request
 from protocol.openai_body import decode_off_loop, read_limited_body
 from router.context import RouterContext
 from router.metrics import CONTENT_TYPE
 from router.routing.prompt import prompt_key, session_key_of
 from router.http.proxy import RETRY_AFTER_S, ProxyRequest
+from router.http.sse import usage_numbers
 
 CONTEXT = web.AppKey("context", RouterContext)
+access_log = logging.getLogger("prefixlb.router.access")
 HEADER_AFFINITY = "X-Prefixlb-Affinity"
-FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
+FORWARDED_HEADERS = ("Authorization", "traceparent", "tracestate")  # and X-Request-Id, always (below)
+HEADER_REQUEST_ID = "X-Request-Id"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -106,7 +112,9 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
     upstream_body = raw
     if parsed.stream and not parsed.include_usage:
         upstream_body = with_include_usage(raw, body)
-    headers = {"Content-Type": "application/json"}
+    # The client's request id, or one made here: returned, passed to the worker, in the access log.
+    request_id = forwardable(HEADER_REQUEST_ID, request.headers.get(HEADER_REQUEST_ID) or uuid.uuid4().hex)
+    headers = {"Content-Type": "application/json", HEADER_REQUEST_ID: request_id}
     for name in (*FORWARDED_HEADERS, *cfg.session_headers):
         value = request.headers.get(name)
         if value is not None:
@@ -117,8 +125,37 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
         headers.pop("Authorization", None)  # the client's key is for this router, not the workers
     preq = ProxyRequest(path=request.path, body=upstream_body, prompt=prompt, stream=parsed.stream,
                         client_wants_usage=parsed.include_usage, affinity=affinity, headers=headers,
-                        exclude=ctx.registry.excluded_for(parsed.model))
-    return await ctx.proxy.handle(request, preq)
+                        exclude=ctx.registry.excluded_for(parsed.model), request_id=request_id)
+    started = time.perf_counter()
+    status = 500
+    try:
+        response = await ctx.proxy.handle(request, preq)
+        status = response.status
+        return response
+    except OpenAIError as exc:
+        status = exc.status
+        raise
+    except asyncio.CancelledError:
+        status = 499  # the client went away
+        raise
+    finally:
+        # a model no worker serves is not a label: clients must not grow the metric's series
+        _access(ctx, preq, parsed.model, parsed.model if parsed.model in served else "unknown", status,
+                time.perf_counter() - started)
+
+
+def _access(ctx: RouterContext, preq: ProxyRequest, model: str, label: str, status: int, duration_s: float) -> None:
+    """One access-log line per request, and the router's own latency histograms (by model: they
+    hold for every kind of backend, vLLM's included)."""
+    a = preq.access
+    usage = usage_numbers(a.booking.usage) if a.booking is not None else None
+    ctx.metrics.observe_request(label, a.ttfb_s, duration_s)
+    access_log.info("event=access request_id=%s model=%s path=%s stream=%s status=%d worker=%s reason=%s "
+                    "attempts=%d ttfb_ms=%s duration_ms=%.1f prompt_tokens=%s cached_tokens=%s "
+                    "predicted_cached_tokens=%d", preq.request_id, model, preq.path, preq.stream, status, a.worker,
+                    a.reason, a.attempts, "-" if a.ttfb_s is None else f"{1000 * a.ttfb_s:.1f}", 1000 * duration_s,
+                    usage[0] if usage else "-", usage[1] if usage and usage[1] is not None else "-",
+                    a.predicted_cached_tokens)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

@@ -56,7 +56,7 @@ from router.fleet.registry import WorkerRegistry
 from router.http.booking import BookedAttempt, book
 from router.http.sse import EventTooLarge, UsageTap
 
-__all__ = ["Proxy", "ProxyRequest", "Overloaded", "RETRY_AFTER_S", "HEADER_WORKER", "HEADER_PREDICTED",
+__all__ = ["Proxy", "ProxyRequest", "AccessRecord", "Overloaded", "RETRY_AFTER_S", "HEADER_WORKER", "HEADER_PREDICTED",
            "HEADER_REASON"]
 
 log = logging.getLogger("prefixlb.router.proxy")
@@ -86,6 +86,20 @@ class ProxyRequest:
     affinity: float | None = None
     headers: Mapping[str, str] = field(default_factory=dict)
     exclude: frozenset[str] = frozenset()
+    request_id: str = ""
+    access: "AccessRecord" = field(default_factory=lambda: AccessRecord())
+
+
+@dataclass(slots=True)
+class AccessRecord:
+    """What the access log says of a request: filled in by the proxy as the request goes."""
+
+    worker: str = "-"
+    reason: str = "-"
+    predicted_cached_tokens: int = 0
+    ttfb_s: float | None = None
+    attempts: int = 0
+    booking: Any = None  # the attempt that answered: its usage, once read
 
 
 class _Failed(Exception):
@@ -234,14 +248,19 @@ class Proxy:
             # Leaving this block (an answer, a failure, a client disconnect, a bug) releases the booking.
             with book(self.balancer, self.metrics, decision, preq.prompt) as booking:
                 self.metrics.count_request(worker_id, decision.reason)
+                preq.access.attempts = attempts
                 try:
                     upstream, first = await self._send_guarded(worker_id, url, preq)
                 except _Failed as exc:
                     failure = exc
                 else:
+                    access = preq.access
+                    access.worker, access.reason = worker_id, decision.reason
+                    access.predicted_cached_tokens = decision.predicted_cached_tokens
+                    access.ttfb_s, access.booking = loop.time() - arrived, booking
                     if preq.stream and upstream.status == 200:
                         return await self._stream(request, preq, booking, upstream, first)
-                    return self._complete(booking, upstream, first)
+                    return self._complete(booking, upstream, first, preq.request_id)
             self._attempt_failed(worker_id, failure, attempts)
             excluded.add(worker_id)
 
@@ -325,21 +344,25 @@ class Proxy:
             raise
         return upstream, first
 
-    def _headers(self, booking: BookedAttempt, upstream: aiohttp.ClientResponse) -> dict[str, str]:
+    def _headers(self, booking: BookedAttempt, upstream: aiohttp.ClientResponse,
+                 request_id: str = "") -> dict[str, str]:
         headers = {name: upstream.headers[name] for name in PASS_BACK if name in upstream.headers}
+        if request_id:
+            headers["X-Request-Id"] = request_id
         d = booking.decision
         headers[HEADER_WORKER] = d.worker_id
         headers[HEADER_PREDICTED] = str(d.predicted_cached_tokens)
         headers[HEADER_REASON] = d.reason
         return headers
 
-    def _complete(self, booking: BookedAttempt, upstream: aiohttp.ClientResponse, data: bytes) -> web.Response:
+    def _complete(self, booking: BookedAttempt, upstream: aiohttp.ClientResponse, data: bytes,
+                  request_id: str = "") -> web.Response:
         try:
             booking.first_byte()
             if upstream.status == 200:
                 booking.usage = _json_usage(data)
                 self.registry.request_ok(booking.decision.worker_id, time.time())
-            return web.Response(body=data, status=upstream.status, headers=self._headers(booking, upstream))
+            return web.Response(body=data, status=upstream.status, headers=self._headers(booking, upstream, request_id))
         finally:
             upstream.release()
 
@@ -348,7 +371,7 @@ class Proxy:
         worker_id = booking.decision.worker_id
         booking.first_byte()
         tap = UsageTap(strip=not preq.client_wants_usage)
-        response = web.StreamResponse(status=200, headers=self._headers(booking, upstream))
+        response = web.StreamResponse(status=200, headers=self._headers(booking, upstream, preq.request_id))
         completed = False
         try:
             await response.prepare(request)

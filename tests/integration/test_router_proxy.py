@@ -299,3 +299,28 @@ async def test_a_worker_that_joins_after_pre_warming_stopped_is_not_pre_warmed()
         await _ready(ctx, 2)
         await asyncio.sleep(0.1)
         assert (w2.bodies, len(ctx.prewarmer._tasks)) == ([], 0)
+
+
+async def test_every_request_has_an_id_passed_on_returned_and_logged_with_its_routing(caplog):
+    async with scripted_workers("w1") as (worker,), running_router("--worker", worker.url) as (ctx, url):
+        await _ready(ctx, 1)
+        trace = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+        with caplog.at_level("INFO", logger="prefixlb.router.access"):
+            async with aiohttp.ClientSession() as http:
+                async with http.post(url + "/v1/completions", json=BODY, headers={"traceparent": trace}) as resp:
+                    assert resp.status == 200
+                    made = resp.headers["X-Request-Id"]
+                async with http.post(url + "/v1/completions", json=BODY, headers={"X-Request-Id": "client-id-7"}) as resp:
+                    assert resp.headers["X-Request-Id"] == "client-id-7"
+                async with http.post(url + "/v1/completions", json={**BODY, "model": "nope"}) as resp:
+                    assert resp.status == 404 and resp.headers.get("X-Request-Id") is None
+        sent = [{k.lower(): v for k, v in h.items()} for h in worker.headers]
+        assert len(made) == 32 and sent[0]["x-request-id"] == made
+        assert sent[0]["traceparent"] == trace and sent[1]["x-request-id"] == "client-id-7"
+        lines = [r.getMessage() for r in caplog.records if r.name == "prefixlb.router.access"]
+        assert len(lines) == 2  # the 404 was refused before routing: no access line of the proxy's
+        assert f"request_id={made} model=m path=/v1/completions stream=False status=200 worker=w1" in lines[0]
+        assert "prompt_tokens=40 cached_tokens=" in lines[0] and "ttfb_ms=" in lines[0]
+        text = ctx.metrics.render().decode()
+        assert 'prefixlb_router_time_to_first_byte_seconds_count{model="m"} 2.0' in text
+        assert 'prefixlb_router_request_duration_seconds_count{model="m"} 2.0' in text
