@@ -54,6 +54,11 @@ def _usage() -> str:
 def main(argv: list[str] | None = None) -> int:
     """Dispatch ``prefixlb <command> ...`` to ``prefixlb.commands.<command>.main``."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("--version", "-V"):
+        from protocol.version import version
+
+        print(f"prefixlb {version()}")
+        return 0
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_usage())
         return 0

@@ -16,6 +16,7 @@ from typing import Any, Iterable
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from protocol import RedisKeys
+from protocol.version import version
 from protocol.settings import SettingsError, parse_setting
 from router.http.admission import Admission
 from router.routing.balancer import Balancer
@@ -180,6 +181,10 @@ class RouterContext:
             ratio.add_metric([model], value)
         yield ratio
         yield _gauge("prefixlb_router_affinity", "Affinity strength in force", self.config.affinity)
+        build = GaugeMetricFamily("prefixlb_build_info", "1, labelled with the running prefixlb's version",
+                                  labels=["version", "component"])
+        build.add_metric([version(), "router"], 1.0)
+        yield build
         admission = self.proxy.admission
         yield _gauge("prefixlb_router_inflight_requests", "Requests admitted and not finished", admission.inflight)
         yield _gauge("prefixlb_router_queued_requests", "Requests waiting for capacity", len(admission))

@@ -24,6 +24,7 @@ from protocol.api_keys import api_key_middleware
 from protocol.http_errors import error_middleware
 from protocol.openai_api import OpenAIError, RequestLimits, bad_request, model_not_found, parse_request
 from protocol.openai_body import decode_off_loop, read_limited_body
+from protocol.version import version
 from router.context import RouterContext
 from router.metrics import CONTENT_TYPE
 from router.routing.prompt import prompt_key, session_key_of
@@ -192,6 +193,24 @@ async def health(request: web.Request) -> web.Response:
                               "redis": ctx.state.status() if ctx.state else "disabled"})
 
 
+async def ready(request: web.Request) -> web.Response:
+    """``GET /ready``: readiness, apart from liveness (``/health``): 200 only while this router can
+    route (a routable worker, no stuck loop), so a load balancer sends it traffic only then."""
+    ctx = request.app[CONTEXT]
+    routable = len(ctx.balancer.routable())
+    stalled = ctx.state.stalled() if ctx.state else []
+    if stalled:
+        return web.json_response({"status": "loop_stalled", "stalled_loops": stalled}, status=503)
+    if not routable:
+        return web.json_response({"status": "no_routable_workers", "known_workers": len(ctx.registry)}, status=503)
+    return web.json_response({"status": "ready", "routable_workers": routable})
+
+
+async def version_info(request: web.Request) -> web.Response:
+    """``GET /version``."""
+    return web.json_response({"version": version()})
+
+
 async def metrics(request: web.Request) -> web.Response:
     """``GET /metrics``: Prometheus exposition format."""
     ctx = request.app[CONTEXT]
@@ -204,4 +223,6 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/version", version_info)
     app.router.add_get("/metrics", metrics)

@@ -324,3 +324,22 @@ async def test_every_request_has_an_id_passed_on_returned_and_logged_with_its_ro
         text = ctx.metrics.render().decode()
         assert 'prefixlb_router_time_to_first_byte_seconds_count{model="m"} 2.0' in text
         assert 'prefixlb_router_request_duration_seconds_count{model="m"} 2.0' in text
+
+
+async def test_ready_says_whether_the_router_can_route_while_health_stays_alive():
+    async with scripted_workers("w1") as (worker,), running_router("--worker", worker.url,
+                                                                   "--health-interval", "0.1") as (ctx, url):
+        await _ready(ctx, 1)
+        async with aiohttp.ClientSession() as http:
+            async with http.get(url + "/ready") as resp:
+                assert resp.status == 200 and (await resp.json())["routable_workers"] == 1
+            async with http.get(url + "/version") as resp:
+                version = (await resp.json())["version"]
+            async with http.get(url + "/metrics") as resp:
+                assert f'prefixlb_build_info{{component="router",version="{version}"}} 1.0' in await resp.text()
+            ctx.registry.drain("w1")
+            await _ready(ctx, 0)
+            async with http.get(url + "/ready") as resp:
+                assert resp.status == 503 and (await resp.json())["status"] == "no_routable_workers"
+            async with http.get(url + "/health") as resp:
+                assert resp.status == 200 and (await resp.json())["status"] == "no_routable_workers"

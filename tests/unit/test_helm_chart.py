@@ -293,8 +293,10 @@ def test_probes_hit_the_port_the_app_listens_on(rendered, component, kind):
     # The router's admin API has a port of its own, outside the Service.
     assert ports == ({"http": cfg.port, "admin": cfg.admin_port} if component == "router" else {"http": cfg.port})
     assert cfg.host == "0.0.0.0"
-    for probe in ("readinessProbe", "livenessProbe"):
-        assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    # the router is ready only while it can route (/ready); alive while it answers (/health)
+    ready = "/ready" if component == "router" else "/health"
+    assert c["readinessProbe"]["httpGet"] == {"path": ready, "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     service = find(docs, "Service", f"-{component}" if component == "router" else "-worker-headless")
     assert [p["targetPort"] for p in service["spec"]["ports"]] == ["http"]
 
