@@ -1,4 +1,4 @@
-"""The installed prefixlb's version (``prefixlb --version``, ``GET /version``, ``prefixlb_build_info``)."""
+"""The installed prefixlb's version (``prefixlb --version``, ``GET /version``, ``prefixlb_router_build_info``)."""
 from __future__ import annotations
 
 import functools

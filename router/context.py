@@ -181,7 +181,7 @@ class RouterContext:
             ratio.add_metric([model], value)
         yield ratio
         yield _gauge("prefixlb_router_affinity", "Affinity strength in force", self.config.affinity)
-        build = GaugeMetricFamily("prefixlb_build_info", "1, labelled with the running prefixlb's version",
+        build = GaugeMetricFamily("prefixlb_router_build_info", "1, labelled with the running prefixlb's version",
                                   labels=["version", "component"])
         build.add_metric([version(), "router"], 1.0)
         yield build

@@ -336,7 +336,7 @@ async def test_ready_says_whether_the_router_can_route_while_health_stays_alive(
             async with http.get(url + "/version") as resp:
                 version = (await resp.json())["version"]
             async with http.get(url + "/metrics") as resp:
-                assert f'prefixlb_build_info{{component="router",version="{version}"}} 1.0' in await resp.text()
+                assert f'prefixlb_router_build_info{{component="router",version="{version}"}} 1.0' in await resp.text()
             ctx.registry.drain("w1")
             await _ready(ctx, 0)
             async with http.get(url + "/ready") as resp:
