@@ -187,6 +187,13 @@ def test_precise_predictions_equal_the_cached_tokens_vllm_reports_on_multi_turn_
     assert all(len(ws) == 1 for ws in by_conv.values())  # ...on the one server that holds it
 
 
+def _victim_blocks(router, worker_id: str) -> float:
+    for line in call(router.url + "/metrics").raw.decode().splitlines():
+        if line.startswith(f'prefixlb_router_kv_events_blocks{{worker="{worker_id}"}} '):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 # ---- a replica dies -----------------------------------------------------------------------------------
 def test_kill_9_of_a_vllm_server_under_load_fails_no_request_and_its_restart_is_not_predicted_to_hit(
         precise_router, vllm_fleet):
@@ -196,11 +203,13 @@ def test_kill_9_of_a_vllm_server_under_load_fails_no_request_and_its_restart_is_
     # a prefix only the victim holds: computed there directly, then known to the router from the
     # victim's own KV events
     prefix = f"[{tag}] A long shared document about paged attention and prefix caching. " * 10
+    before = _victim_blocks(precise_router, victim_id)
     openai.OpenAI(base_url=victim.url + "/v1", api_key="unused", max_retries=0, timeout=120).completions.create(
         model=MODEL_NAME, prompt=prefix, max_tokens=1, temperature=0)
-    owner, predicted, reported = wait_for(lambda: (r := _complete(precise_router, f"{prefix} (probe)"))[0] == victim_id
-                                          and r, 30, what="the router routing the prefix to the victim")
-    assert predicted == reported >= 4 * BLOCK_SIZE
+    # its BlockStored events reach the router a moment after the answer: wait for them
+    wait_for(lambda: _victim_blocks(precise_router, victim_id) >= before + 4, 30, what="the victim's KV events")
+    owner, predicted, reported = _complete(precise_router, f"{prefix} (probe)")
+    assert owner == victim_id and predicted == reported >= 4 * BLOCK_SIZE
     errors: list[str] = []
     done = []
     stop = threading.Event()
