@@ -109,7 +109,7 @@ def test_poison_in_every_key_stops_no_loop_and_a_valid_event_still_lands(cluster
     valid = KVEvent(worker_id="w0", kind="stored", hashes=[123456789], seq=10**6)
     r.xadd(keys.kv_events, {"e": valid.to_json()})
     wait_for(lambda: all(_metric(x, "prefixlb_router_kv_events_total", kind="stored") > before
-                         for x, before in zip(routers, stored_before)), 2.0, what="the valid event applied")
+                         for x, before in zip(routers, stored_before)), 5.0, what="the valid event applied")
     for router in routers:
         health = call(router.url + "/health").json
         assert (health["redis"], health["routable_workers"], health["known_workers"]) == ("up", 1, 1)
