@@ -39,7 +39,8 @@ MAX_ITEMS = 4096  # entries of a list or map field (KVEvent.hashes has its own b
 MAX_HASHES = 65536
 
 
-def _text_ok(value: Any, limit: int) -> bool:
+def is_short_text(value: Any, limit: int = MAX_NAME) -> bool:
+    """A string of at most ``limit`` characters and no control characters (ids, names, URLs)."""
     return (isinstance(value, str) and len(value) <= limit
             and not any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 for c in value))
 
@@ -70,7 +71,7 @@ def _check_field(cls: type, name: str, hint: Any, value: Any) -> None:
         if not isinstance(value, bool):
             raise MessageError(f"{cls_name}.{name}: expected true or false")
     elif hint is str:
-        if not _text_ok(value, int(bounds[1]) if bounds else MAX_NAME):
+        if not is_short_text(value, int(bounds[1]) if bounds else MAX_NAME):
             raise MessageError(f"{cls_name}.{name}: expected a short text without control characters")
     elif origin is list:
         limit = MAX_HASHES if args == (int,) else MAX_ITEMS
@@ -79,17 +80,17 @@ def _check_field(cls: type, name: str, hint: Any, value: Any) -> None:
         for item in value:
             if args == (int,):
                 _number(cls_name, name, item, int, bounds or (0, MAX_HASH))
-            elif not _text_ok(item, MAX_NAME):
+            elif not is_short_text(item, MAX_NAME):
                 raise MessageError(f"{cls_name}.{name}: expected short texts")
     elif origin is dict:
         if not isinstance(value, dict) or len(value) > MAX_ITEMS:
             raise MessageError(f"{cls_name}.{name}: expected a map of at most {MAX_ITEMS} entries")
         for key, item in value.items():
-            if not _text_ok(key, MAX_NAME):
+            if not is_short_text(key, MAX_NAME):
                 raise MessageError(f"{cls_name}.{name}: expected short texts as keys")
             if args[1] is int:
                 _number(cls_name, name, item, int, bounds or (0, 10_000_000))
-            elif not _text_ok(item, MAX_NAME):
+            elif not is_short_text(item, MAX_NAME):
                 raise MessageError(f"{cls_name}.{name}: expected short texts as values")
 
 

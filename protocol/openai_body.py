@@ -19,10 +19,10 @@ serving while a legitimate 16 MiB prompt is parsed.
 from __future__ import annotations
 
 import asyncio
-import os
-import weakref
 import json
+import os
 import re
+import weakref
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Collection, Protocol, TypeVar
 
@@ -129,7 +129,8 @@ def parse_json_body(raw: bytes, limits: RequestLimits = DEFAULT_LIMITS) -> dict[
     return body
 
 
-_LARGE_PARSES: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore]" = weakref.WeakKeyDictionary()
+# per event loop: at most one large body per core being checked and parsed (decode_off_loop)
+_LARGE_PARSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 async def decode_off_loop(raw: bytes, decode: Callable[..., T], *args: Any) -> T:

@@ -16,22 +16,22 @@ from typing import Any, Iterable
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from protocol import RedisKeys
-from protocol.version import version
 from protocol.settings import SettingsError, parse_setting
+from protocol.version import version
 from router.http.admission import Admission
 from router.routing.balancer import Balancer
 from router.fleet.breaker import BreakerConfig
 from router.fleet.connections import WorkerConnections
 from router.config import RouterConfig
 from router.fleet.backends import parse_worker_spec
-from router.fleet.health import HealthChecker, worker_id_of
+from router.fleet.health import HealthChecker
 from router.fleet.kv_subscriber import KVEventSubscriber
 from router.routing.index import PrefixIndex
 from router.routing.load import LoadBoard
 from router.metrics import RouterMetrics
 from router.fleet.prewarm import HotPrefixes, Prewarmer
 from router.http.proxy import Proxy
-from router.fleet.registry import ROUTABLE, STATES, InvalidWorkerURL, Worker, WorkerRegistry
+from router.fleet.registry import ROUTABLE, STATES, InvalidWorkerURL, Worker, WorkerRegistry, worker_id_of
 from router.state import RedisState
 from router.fleet.worker_url import WorkerURLPolicy
 
@@ -68,12 +68,13 @@ class RouterContext:
     def subscribe_kv_events(self, w: Worker) -> None:
         """Read ``w``'s KV events if it publishes them (a vLLM worker added with ``kv-events``)."""
         if self.started and w.kv_events:
-            self.kv_events.add(worker_id_of(w.url), w.kv_events, w.kv_replay)
+            # the id the balancer will know it by (its own, or its URL's host:port)
+            self.kv_events.add(w.worker_id or worker_id_of(w.url), w.kv_events, w.kv_replay)
 
     def unsubscribe_kv_events(self, w: Worker) -> None:
         """``w`` left: stop reading its KV events."""
         if w.kv_events:
-            self.kv_events.remove(worker_id_of(w.url))
+            self.kv_events.remove(w.worker_id or worker_id_of(w.url))
 
     def runtime_config(self) -> dict[str, Any]:
         """The settings that can change at run time, as in force now."""

@@ -20,6 +20,8 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from protocol.messages import is_short_text
+
 VERSION = 1
 
 
@@ -79,7 +81,7 @@ def decode(data: bytes) -> Snapshot:
         raise SnapshotError(f"bad header: {exc}") from exc
     if len(workers) != len(counts):
         raise SnapshotError("bad header: workers and counts differ")
-    if len(workers) > MAX_WORKERS or not all(_worker_id_ok(w) for w in workers):
+    if len(workers) > MAX_WORKERS or not all(w and is_short_text(w) for w in workers):
         raise SnapshotError("bad header: too many workers, or a worker id that is not a short text")
     if not math.isfinite(snap.taken_at):
         raise SnapshotError("bad header: taken_at must be finite")
@@ -94,10 +96,6 @@ def decode(data: bytes) -> Snapshot:
                             if math.isfinite(ttl))
         offset = end
     return snap
-
-
-def _worker_id_ok(worker_id: str) -> bool:
-    return 0 < len(worker_id) <= 256 and not any(ord(c) < 0x20 or ord(c) == 0x7F for c in worker_id)
 
 
 def _little_endian(values: array) -> array:

@@ -86,8 +86,8 @@ class RedisState:
         self._tasks: list[asyncio.Task] = []
         self._closing = False
         self._down: set[str] = set()
-        self._registered: set[str] = set()
-        self.loop_seen: dict[str, tuple[float, float]] = {}  # loop -> (last time round, stall limit)  # worker ids registered in Redis at the last registry sync
+        self._registered: set[str] = set()  # worker ids registered in Redis at the last registry sync
+        self.loop_seen: dict[str, tuple[float, float]] = {}  # loop -> (last time round, stall limit)
         self._snapshot_now = asyncio.Event()
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -137,9 +137,9 @@ class RedisState:
 
     # -- synchronisation --------------------------------------------------------------------
     async def sync(self) -> None:
-        """Load the snapshot, replay the stream to its end, read the registry."""
+        """Load the snapshot, read the registry, replay the stream to its end."""
         await self.load_snapshot()
-        await self.sync_registry()  # first: events are applied only for registered workers
+        await self.sync_registry()  # first: the events of registered workers are taken whatever the bound
         while await self.read_events(block_ms=None):
             pass
 

@@ -26,7 +26,7 @@ A worker spec, as ``--worker``, the admin API and Helm values take it::
 
 ``kv-events`` is the ZMQ endpoint of vLLM's KV-event publisher (its ``--kv-events-config``
 ``endpoint`` with ``*`` replaced by the server's address), ``kv-replay`` its replay socket; the
-router subscribes to them itself (``router/fleet/kv_events.py``). Endpoints are ``tcp://HOST:PORT``
+router subscribes to them itself (``router/fleet/kv_subscriber.py``). Endpoints are ``tcp://HOST:PORT``
 and their host must pass the same allow-list as worker URLs.
 """
 from __future__ import annotations
@@ -34,15 +34,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from router.fleet.engine_metrics import SGLANG, VLLM
+from router.fleet.engine_metrics import ENGINE_KINDS, SGLANG, VLLM  # ENGINE_KINDS: load from /metrics
 
 PREFIXLB = "prefixlb"
 OPENAI = "openai"
 BACKEND_KINDS = (PREFIXLB, VLLM, SGLANG, OPENAI)
-ENGINE_KINDS = (VLLM, SGLANG)  # load from /metrics
 
 __all__ = ["PREFIXLB", "VLLM", "SGLANG", "OPENAI", "BACKEND_KINDS", "ENGINE_KINDS", "WorkerSpec",
-           "InvalidWorkerSpec", "parse_worker_spec", "check_zmq_endpoint"]
+           "InvalidWorkerSpec", "parse_worker_spec", "worker_spec", "check_zmq_endpoint"]
 
 _OPTIONS = ("kv-events", "kv-replay")
 
@@ -99,9 +98,7 @@ def parse_worker_spec(text: str) -> WorkerSpec:
     kind = None
     head, sep, tail = first.partition("=")
     if sep and "://" not in head:
-        kind, url = head.strip().lower(), tail.strip()
-        if kind not in BACKEND_KINDS:
-            raise InvalidWorkerSpec(f"unknown worker kind {kind!r} (one of {', '.join(BACKEND_KINDS)})")
+        kind, url = head.strip(), tail.strip()
     else:
         url = first
     options: dict[str, str] = {}
@@ -112,10 +109,23 @@ def parse_worker_spec(text: str) -> WorkerSpec:
             raise InvalidWorkerSpec(f"unknown worker option {part!r} (options: {', '.join(_OPTIONS)})")
         if name in options:
             raise InvalidWorkerSpec(f"worker option {name} given twice")
-        check_zmq_endpoint(value.strip())
         options[name] = value.strip()
-    if options and kind not in (None, VLLM, SGLANG):
+    return worker_spec(url, kind, options.get("kv-events"), options.get("kv-replay"))
+
+
+def worker_spec(url: str, kind: str | None = None, kv_events: str | None = None,
+                kv_replay: str | None = None) -> WorkerSpec:
+    """A checked :class:`WorkerSpec` (the same rules as :func:`parse_worker_spec`; the admin API
+    takes the parts as fields)."""
+    if kind is not None:
+        kind = kind.lower()
+        if kind not in BACKEND_KINDS:
+            raise InvalidWorkerSpec(f"unknown worker kind {kind!r} (one of {', '.join(BACKEND_KINDS)})")
+    for endpoint in (kv_events, kv_replay):
+        if endpoint is not None:
+            check_zmq_endpoint(endpoint)
+    if (kv_events or kv_replay) and kind not in (None, VLLM, SGLANG):
         raise InvalidWorkerSpec(f"KV-event sockets are for vllm or sglang workers, not {kind}")
-    if "kv-replay" in options and "kv-events" not in options:
+    if kv_replay and not kv_events:
         raise InvalidWorkerSpec("kv-replay needs kv-events")
-    return WorkerSpec(url=url, kind=kind, kv_events=options.get("kv-events"), kv_replay=options.get("kv-replay"))
+    return WorkerSpec(url=url, kind=kind, kv_events=kv_events, kv_replay=kv_replay)

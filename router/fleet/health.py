@@ -34,18 +34,13 @@ from router.fleet.background import cancel_and_wait
 from router.fleet.backends import ENGINE_KINDS, OPENAI, PREFIXLB
 from router.fleet.engine_metrics import (EngineMetricsError, EngineScrape, detect_kind, load_report,
                                          mean_prompt_tokens, parse_engine_metrics)
-from router.fleet.registry import DRAINING, Worker, WorkerRegistry
+from router.fleet.registry import DRAINING, Worker, WorkerRegistry, worker_id_of
 
 log = logging.getLogger("prefixlb.router.health")
 
 MAX_LOAD_BYTES = 1 << 20  # a /load or /v1/models answer larger than this is not read whole
 MAX_METRICS_BYTES = 4 << 20  # a /metrics text larger than this is not parsed
 ROUTER_METRIC = "prefixlb_router_requests_total"  # in a router's /metrics: never a worker
-
-
-def worker_id_of(url: str) -> str:
-    """The id of a worker that names none itself (vLLM, SGLang): its URL's host and port."""
-    return url.split("://", 1)[-1]
 
 
 class ProbeError(Exception):

@@ -90,10 +90,6 @@ class KVEventSubscriber:
         self.stats.pop(backend, None)
         self._last_ts.pop(backend, None)
 
-    def subscribed(self) -> list[str]:
-        """Backends with a subscription."""
-        return sorted(self._tasks)
-
     async def close(self) -> None:
         """Cancel every subscription and close the sockets."""
         tasks = list(self._tasks.values())
@@ -133,8 +129,6 @@ class KVEventSubscriber:
                 else:
                     frames = await sock.recv_multipart()
                 self._apply(backend, frames, stats)
-        except asyncio.CancelledError:
-            raise
         except Exception:  # noqa: BLE001 - a bug here must not take the router down; the backend falls back
             log.exception("event=kv_events_crashed backend=%s", backend)
             self.precise.reset(backend)
@@ -175,11 +169,11 @@ class KVEventSubscriber:
                 self._last_ts[backend] = max(self._last_ts.get(backend, history[-1].ts), history[-1].ts)
             log.info("event=kv_events_synchronised backend=%s batches=%d", backend, len(history))
             return True
-            stats.resync_failures += 1
-            if self.precise.index.state(backend) is SyncState.UNKNOWN:
-                self.precise.index.mark_unsynchronised(backend)
-            log.info("event=kv_events_unsynchronised backend=%s reason=%s", backend,
-                     "replay unreachable" if history is None else "replay does not start at seq 0")
+        stats.resync_failures += 1
+        if self.precise.index.state(backend) is SyncState.UNKNOWN:
+            self.precise.index.mark_unsynchronised(backend)
+        log.info("event=kv_events_unsynchronised backend=%s reason=%s", backend,
+                 "replay unreachable" if history is None else "replay does not start at seq 0")
         return False
 
     async def replay(self, endpoint: str, start_seq: int = 0) -> list[KVEventBatch] | None:

@@ -40,8 +40,8 @@ from router.fleet.backends import WorkerSpec, check_zmq_endpoint
 from router.fleet.breaker import Breaker, BreakerConfig
 from router.fleet.worker_url import InvalidWorkerURL, WorkerURLPolicy, normalize_url
 
-__all__ = ["InvalidWorkerURL", "normalize_url", "Worker", "WorkerRegistry", "JOINING", "WARMING", "HEALTHY",
-           "RECOVERING", "UNHEALTHY", "DRAINING", "DRAINED", "STATES", "ROUTABLE"]
+__all__ = ["InvalidWorkerURL", "normalize_url", "worker_id_of", "Worker", "WorkerRegistry", "JOINING", "WARMING",
+           "HEALTHY", "RECOVERING", "UNHEALTHY", "DRAINING", "DRAINED", "STATES", "ROUTABLE"]
 
 log = logging.getLogger("prefixlb.router.registry")
 
@@ -89,8 +89,14 @@ class Worker:
         """JSON view for the admin API."""
         return {"worker_id": self.worker_id, "url": self.url, "source": self.source, "state": self.state,
                 "models": list(self.models), "kind": self.backend_kind, "load_source": self.load_source or None,
-                "kv_events": self.kv_events, "max_model_len": dict(self.max_model_len), "failures": self.failures, "breaker": self.breaker.state,
+                "kv_events": self.kv_events, "max_model_len": dict(self.max_model_len), "failures": self.failures,
+                "breaker": self.breaker.state,
                 "breaker_opens": self.breaker.opens, "last_ok": self.last_ok, "last_error": self.last_error}
+
+
+def worker_id_of(url: str) -> str:
+    """The id of a worker that names none itself (vLLM, SGLang): its URL's host and port."""
+    return url.split("://", 1)[-1]
 
 
 # warmup(w, warmed): True when it pre-warms ``w`` first and calls ``warmed(w)`` once done.
@@ -240,7 +246,7 @@ class WorkerRegistry:
         reported = (report.worker_id if report else None) or (info.worker_id if info else None)
         if w.worker_id is not None and reported and reported != w.worker_id:
             log.warning("event=worker_id_mismatch url=%s known_as=%s reports=%s", w.url, w.worker_id, reported)
-        worker_id = w.worker_id or reported or w.url.split("://", 1)[-1]
+        worker_id = w.worker_id or reported or worker_id_of(w.url)
         if w.worker_id is None:
             other = self._by_id.get(worker_id)
             if other is not None and other is not w:

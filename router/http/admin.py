@@ -37,7 +37,7 @@ from protocol.openai_api import OpenAIError
 from protocol.settings import describe
 from router.http.api import CONTEXT, Handler
 from router.context import ConfigError, RouterContext
-from router.fleet.backends import InvalidWorkerSpec, parse_worker_spec
+from router.fleet.backends import InvalidWorkerSpec, worker_spec
 from router.fleet.registry import InvalidWorkerURL
 
 log = logging.getLogger("prefixlb.router.admin")
@@ -98,15 +98,13 @@ async def add_worker(request: web.Request) -> web.Response:
     ctx = request.config_dict[CONTEXT]
     body = await _json(request)
     spec = None
-    if any(body.get(key) is not None for key in ("kind", "kv_events", "kv_replay")):
-        options = {"kind": body.get("kind"), "kv-events": body.get("kv_events"), "kv-replay": body.get("kv_replay")}
-        if not all(v is None or isinstance(v, str) for v in options.values()) or not isinstance(body.get("url"), str):
+    fields = {key: body.get(key) for key in ("kind", "kv_events", "kv_replay")}
+    if any(v is not None for v in fields.values()):
+        if not all(v is None or isinstance(v, str) for v in (body.get("url"), *fields.values())):
             raise _error(400, "url, kind, kv_events and kv_replay must be strings", "invalid_request_error",
                          "invalid_worker")
-        text = (f"{options['kind']}=" if options["kind"] else "") + body["url"] + "".join(
-            f",{name}={value}" for name, value in options.items() if name != "kind" and value)
         try:
-            spec = parse_worker_spec(text)
+            spec = worker_spec(body.get("url"), **fields)  # type: ignore[arg-type]
         except InvalidWorkerSpec as exc:
             raise _error(400, str(exc), "invalid_request_error", "invalid_worker") from None
     try:

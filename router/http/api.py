@@ -105,7 +105,7 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
         prompt = prompt_key(body, chat, cfg.chunk_size, cfg.ring_key_chunks, session)
     except RenderError as exc:
         raise bad_request(str(exc), exc.param) from None
-    if ctx.tokenizers is not None and ctx.balancer.precise.backends():
+    if ctx.tokenizers is not None and ctx.balancer.precise.has_backends():
         prompt.tokens = ctx.tokenizers.prompt_tokens(body, chat)
     affinity = parse_affinity(request.headers.get(HEADER_AFFINITY))
     if ctx.prewarmer.top:
@@ -145,7 +145,8 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
                 time.perf_counter() - started)
 
 
-def _access(ctx: RouterContext, preq: ProxyRequest, model: str, label: str, status: int, duration_s: float) -> None:
+def _access(ctx: RouterContext, preq: ProxyRequest, model: str, label: str, status: int,
+            duration_s: float) -> None:
     """One access-log line per request, and the router's own latency histograms (by model: they
     hold for every kind of backend, vLLM's included)."""
     a = preq.access

@@ -56,8 +56,8 @@ from router.fleet.registry import WorkerRegistry
 from router.http.booking import BookedAttempt, book
 from router.http.sse import EventTooLarge, UsageTap
 
-__all__ = ["Proxy", "ProxyRequest", "AccessRecord", "Overloaded", "RETRY_AFTER_S", "HEADER_WORKER", "HEADER_PREDICTED",
-           "HEADER_REASON"]
+__all__ = ["Proxy", "ProxyRequest", "AccessRecord", "Overloaded", "RETRY_AFTER_S", "HEADER_WORKER",
+           "HEADER_PREDICTED", "HEADER_REASON"]
 
 log = logging.getLogger("prefixlb.router.proxy")
 
@@ -362,7 +362,8 @@ class Proxy:
             if upstream.status == 200:
                 booking.usage = _json_usage(data)
                 self.registry.request_ok(booking.decision.worker_id, time.time())
-            return web.Response(body=data, status=upstream.status, headers=self._headers(booking, upstream, request_id))
+            return web.Response(body=data, status=upstream.status,
+                                headers=self._headers(booking, upstream, request_id))
         finally:
             upstream.release()
 
@@ -375,12 +376,11 @@ class Proxy:
         completed = False
         try:
             await response.prepare(request)
+            failure: _Failed | None = None
             try:
                 out = tap.feed(first)
             except EventTooLarge as exc:
                 out, failure = b"", _Failed("oversized", str(exc))
-            else:
-                failure = None
             if out:
                 await response.write(out)
             if failure is None:

@@ -215,7 +215,7 @@ class Balancer:
         matches, complete = self.index.match_top(prompt.hashes, now, cfg.match_candidates)
         if not complete:
             matches = _DepthLookup(matches, self.index, prompt.hashes, now)
-        if prompt.tokens is not None and self.precise.backends():
+        if prompt.tokens is not None and self.precise.has_backends():
             prompt.known_cached = self.precise.cached_tokens(prompt.tokens, now) or None
         request = RouteRequest(prompt_tokens=self.estimate_tokens(prompt), affinity=affinity,
                                session=prompt.session_key is not None, sequence=next(self._sequence))

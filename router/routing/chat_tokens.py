@@ -204,13 +204,6 @@ class BackendTokenizers:
     def __init__(self, tokenizers: dict[str, BackendTokenizer] | None = None) -> None:
         self._by_model = dict(tokenizers or {})
 
-    def __bool__(self) -> bool:
-        return bool(self._by_model)
-
-    def models(self) -> list[str]:
-        """Models with a tokenizer."""
-        return sorted(self._by_model)
-
     def prompt_tokens(self, body: dict[str, Any], chat: bool) -> PromptTokens | None:
         """The request's prompt as its backend tokenizes it, or None when this router cannot say
         (no tokenizer for the model, a batch of prompts, a template that fails): the request is

@@ -19,7 +19,9 @@ No I/O, no clock: times are passed in.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
 from router.routing.token_index import SyncState, TokenBlockIndex, block_extra_key
 
 DEFAULT_GRACE_S = 2.0
@@ -58,6 +60,7 @@ class PreciseIndex:
         self._backends: set[str] = set()  # backends with a subscription
         self._pending: dict[str, _PendingBlocks] = {}
         self._live: list[Pending] = []
+        self._next_expiry = math.inf  # the earliest expiry in _live
 
     # -- membership ----------------------------------------------------------------------------
     def track(self, backend: str) -> None:
@@ -80,9 +83,9 @@ class PreciseIndex:
         self._pending.pop(backend, None)
         self._live = [p for p in self._live if p.backend != backend]
 
-    def backends(self) -> list[str]:
-        """Backends with a subscription."""
-        return sorted(self._backends)
+    def has_backends(self) -> bool:
+        """Whether any backend has a subscription (else requests need no token ids at all)."""
+        return bool(self._backends)
 
     def precise(self, backend: str) -> bool:
         """True while ``backend``'s predictions are exact (its stream is synchronised)."""
@@ -97,21 +100,24 @@ class PreciseIndex:
         if not ids:
             return out
         self._expire(now)
+        keys_by_size: dict[int, list[int]] = {}  # the prompt's chain keys, once per block size
         for backend in self._backends:
             if self.index.state(backend) is not SyncState.SYNCHRONISED:
                 continue
             cached = self.index.predicted_cached_tokens(backend, ids, lora_name=tokens.lora_name,
                                                         cache_salt=tokens.cache_salt)
             pending = self._pending.get(backend)
-            if pending is not None and pending.counts:
-                size = self.index.block_size(backend)
-                if size:
-                    matched = 0
-                    for key in self._chain_keys(tokens, size):
-                        if key not in pending.counts:
-                            break
-                        matched += size
-                    cached = max(cached, matched)
+            size = self.index.block_size(backend)
+            if pending is not None and pending.counts and size:
+                keys = keys_by_size.get(size)
+                if keys is None:
+                    keys = keys_by_size[size] = self._chain_keys(tokens, size)
+                matched = 0
+                for key in keys:
+                    if key not in pending.counts:
+                        break
+                    matched += size
+                cached = max(cached, matched)
             out[backend] = cached
         return out
 
@@ -131,14 +137,16 @@ class PreciseIndex:
         for key in keys:
             counts[key] = counts.get(key, 0) + 1
         self._live.append(record)
+        self._next_expiry = min(self._next_expiry, record.expires)
         return record
 
     def finished(self, record: Pending, now: float) -> None:
         """The request of ``record`` ended: its blocks stay pending ``grace_s`` longer."""
         record.expires = min(record.expires, now + self.grace_s)
+        self._next_expiry = min(self._next_expiry, record.expires)
 
     def _expire(self, now: float) -> None:
-        if not self._live or min(p.expires for p in self._live) > now:
+        if self._next_expiry > now:  # nothing due: the lookup path stays O(1) here
             return
         keep = []
         for p in self._live:
@@ -155,6 +163,7 @@ class PreciseIndex:
                 else:
                     pending.counts.pop(key, None)
         self._live = keep
+        self._next_expiry = min((p.expires for p in keep), default=math.inf)
 
     @staticmethod
     def _chain_keys(tokens: PromptTokens, size: int) -> list[int]:
@@ -167,4 +176,3 @@ class PreciseIndex:
                            ids[i * size:(i + 1) * size]))
             keys.append(parent)
         return keys
-

@@ -181,3 +181,15 @@ async def test_a_restarted_publisher_whose_first_batches_were_missed_is_resynchr
     await _until(lambda: subscriber.precise.precise("v0") and _cached(subscriber, [7, 7, 7, 7]) == 4,
                  what="rebuilt from the new publisher's replay")
     assert _cached(subscriber, [4, 4, 4, 4]) == 0  # the old process's blocks are gone
+
+
+async def test_an_unreachable_replay_socket_is_counted_and_the_backend_stays_on_estimates(publisher, subscriber):
+    nobody = f"tcp://127.0.0.1:{free_port()}"  # nothing answers there
+    await publisher.publish(publisher.payload([1, 2, 3, 4], 100, None), send=False)  # missed: joined late
+    subscriber.replay_timeout_s = 0.3
+    subscriber.add("v0", publisher.endpoint, nobody)
+    await _until(lambda: subscriber.stats["v0"].resync_failures >= 1, what="the failed replay counted")
+    assert subscriber.stats["v0"].resyncs == 0
+    assert subscriber.precise.index.state("v0") is SyncState.UNSYNCHRONISED
+    await _publish_until_seen(publisher, subscriber, [5, 6, 7, 8], 200)
+    assert _cached(subscriber, [5, 6, 7, 8]) is None  # joined late, never replayed: not precise

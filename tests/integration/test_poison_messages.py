@@ -146,11 +146,13 @@ def test_a_router_added_as_a_worker_of_another_router_is_refused_instead_of_loop
     first_port, second_port = free_port(), free_port()
     first = spawn(["router", "--port", str(first_port)], logs, "router-a", port=first_port)
     second = spawn(["router", "--port", str(second_port), "--worker", first.url, "--worker",
-                    f"http://127.0.0.1:{second_port}", "--health-interval", "0.5"], logs, "router-b", port=second_port)
+                    f"http://127.0.0.1:{second_port}", "--health-interval", "0.5", "--admin-token", "s3cret"],
+                   logs, "router-b", port=second_port)
     try:
-        wait_for(lambda: "a prefixlb router answers there" in second.output(), 30,
-                 what="the other router refused as a worker")
-        time.sleep(1.5)  # three more probe rounds: itself, listening by now, must not become routable either
+        # both probed since the second router listens: the other router, and itself
+        wait_for(lambda: all("a prefixlb router answers there" in w["last_error"] for w in call(
+            second.url + "/admin/workers", headers={"Authorization": "Bearer s3cret"}).json["workers"]), 30,
+                 what="both routers refused as workers")
         health = call(second.url + "/health").json
         assert (health["status"], health["routable_workers"]) == ("no_routable_workers", 0)
         reply = call(second.url + "/v1/completions", "POST", {"model": "tiny", "prompt": "x", "max_tokens": 1})
@@ -169,7 +171,7 @@ def test_a_poisoned_config_version_is_ignored_and_the_next_change_reaches_every_
     before = [call(x.url + "/admin/config", headers=admin).json["runtime"]["affinity"] for x in routers]
     # a clock-like or absurd version that would never lose a wall-clock comparison
     r.hset(keys.config, mapping={"version": "1e308", "affinity": "0.01"})
-    time.sleep(1.0)  # five registry syncs: none may adopt it
+    time.sleep(1.0)  # five registry syncs (a negative: nothing shows a config that was not adopted)
     assert [call(x.url + "/admin/config", headers=admin).json["runtime"]["affinity"] for x in routers] == before
     reply = call(routers[0].url + "/admin/config", "PUT", {"affinity": 0.65}, headers=admin)
     assert reply.status == 200

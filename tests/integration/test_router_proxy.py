@@ -343,3 +343,24 @@ async def test_ready_says_whether_the_router_can_route_while_health_stays_alive(
                 assert resp.status == 503 and (await resp.json())["status"] == "no_routable_workers"
             async with http.get(url + "/health") as resp:
                 assert resp.status == 200 and (await resp.json())["status"] == "no_routable_workers"
+
+
+async def test_the_admin_api_adds_a_worker_of_a_kind_with_its_kv_event_sockets_and_refuses_bad_ones():
+    async with running_router("--admin-token", "s3cret") as (ctx, url):
+        async with aiohttp.ClientSession() as http:
+            spec = {"url": "http://127.0.0.1:9", "kind": "vllm", "kv_events": "tcp://127.0.0.1:5557",
+                    "kv_replay": "tcp://127.0.0.1:5558"}
+            async with http.post(url + "/admin/workers", json=spec, headers=ADMIN) as resp:
+                body = await resp.json()
+                assert resp.status == 201 and (body["kind"], body["kv_events"]) == ("vllm", "tcp://127.0.0.1:5557")
+            w = ctx.registry.get("http://127.0.0.1:9")
+            assert (w.kind, w.kv_replay) == ("vllm", "tcp://127.0.0.1:5558")
+            for bad, code in (({"url": "http://127.0.0.1:10", "kind": "triton"}, "invalid_worker"),
+                              ({"url": "http://127.0.0.1:10", "kind": "prefixlb", "kv_events": "tcp://h:1"},
+                               "invalid_worker"),
+                              ({"url": "http://127.0.0.1:10", "kv_events": "tcp://*:5557"}, "invalid_worker"),
+                              ({"url": "http://127.0.0.1:10", "kind": 5}, "invalid_worker"),
+                              ({"url": "http://169.254.169.254:80", "kind": "vllm"}, "invalid_url")):
+                async with http.post(url + "/admin/workers", json=bad, headers=ADMIN) as resp:
+                    assert resp.status == 400 and (await resp.json())["error"]["code"] == code, bad
+            assert ctx.registry.get("http://127.0.0.1:10") is None

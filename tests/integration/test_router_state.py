@@ -207,6 +207,17 @@ async def test_a_drain_asked_of_one_router_drains_the_worker_on_every_router(red
     client.close()
 
 
+async def _registry_rounds(ctx, n: int) -> None:
+    """Wait until the registry loop (drains included) has come round ``n`` more times."""
+    rounds = {ctx.state.loop_seen["registry"][0]}
+
+    def came_round() -> bool:
+        rounds.add(ctx.state.loop_seen["registry"][0])  # the loop stamps each round as it starts it
+        return len(rounds) > n
+
+    await wait_until(came_round, what=f"{n} registry rounds")
+
+
 async def test_a_shared_drain_names_the_worker_so_a_new_pod_at_its_address_is_not_drained(redis_server_url,
                                                                                          redis_prefix):
     argv = ("--redis", redis_server_url, "--redis-prefix", redis_prefix, "--registry-interval", "0.1",
@@ -218,7 +229,7 @@ async def test_a_shared_drain_names_the_worker_so_a_new_pod_at_its_address_is_no
         client.hset(keys.drains, w1.url, json.dumps({"worker_id": "old-pod", "at": 1.0}))
         async with running_router(*argv, "--worker", w1.url) as (a, url_a):
             await wait_until(lambda: a.balancer.routable() == ["w1"], what="w1 routable")
-            await asyncio.sleep(0.5)  # five registry syncs: the old pod's drain must not take w1
+            await _registry_rounds(a, 3)  # the old pod's drain must not take w1 in any of them
             assert a.balancer.routable() == ["w1"]
             # a drain of w1 itself (by id) applies
             client.hset(keys.drains, w1.url, json.dumps({"worker_id": "w1", "at": 2.0}))

@@ -162,11 +162,8 @@ def _chat(router, messages, max_tokens: int = 8) -> tuple[str, int, int, str]:
 
 
 def test_precise_predictions_equal_the_cached_tokens_vllm_reports_on_multi_turn_chats(precise_router, vllm_fleet):
-    metrics = wait_for(lambda: (m := call(precise_router.url + "/metrics").raw.decode()).count(
-        "prefixlb_router_kv_events_synchronised{") == 2 and " 0.0" not in
-        "".join(line for line in m.splitlines() if line.startswith("prefixlb_router_kv_events_synchronised{"))
-        and m, 60, what="both servers' KV-event streams synchronised")
-    assert metrics
+    wait_for(lambda: _synchronised(precise_router) == [1.0, 1.0], 60,
+             what="both servers' KV-event streams synchronised")
     tag = _tag()
     results = []
     conversations = {c: [{"role": "system", "content": f"[{tag} conv {c}] You are assistant {c}; answer briefly. " * 6}]
@@ -185,6 +182,12 @@ def test_precise_predictions_equal_the_cached_tokens_vllm_reports_on_multi_turn_
     for c, _, worker, *_ in results:
         by_conv[c].add(worker)
     assert all(len(ws) == 1 for ws in by_conv.values())  # ...on the one server that holds it
+
+
+def _synchronised(router) -> list[float]:
+    """``prefixlb_router_kv_events_synchronised`` of every backend, in order."""
+    return [float(line.rsplit(" ", 1)[1]) for line in call(router.url + "/metrics").raw.decode().splitlines()
+            if line.startswith("prefixlb_router_kv_events_synchronised{")]
 
 
 def _victim_blocks(router, worker_id: str) -> float:

@@ -44,6 +44,7 @@ from worker.simulator.recorded import RecordedAnswers
 log = logging.getLogger("prefixlb.worker.server")
 OPEN_PATHS = ("/health", "/load", "/metrics")  # what probes and scrapers read without --api-key
 
+
 @dataclass(slots=True)
 class BuiltEngine:
     """An engine, what /get_server_info says about it, and extra metrics (the simulator's clock)."""

@@ -60,8 +60,8 @@ class ServerConfig:
     seed: int = setting(0, "engine seed (sampling without a per-request seed)")
     worker_id: str | None = setting(None, "this worker's id (default: <host>-<port>)")
     chunk_size: int = setting(DEFAULT_CHUNK_SIZE, "router chunk size in bytes, for KV events", minimum=1)
-    redis: str | None = setting(None, "Redis URL (redis://, rediss://, unix:// or redis+sentinel://H:P[,H:P...]/SERVICE): "
-                                "register, heartbeat load, publish KV events")
+    redis: str | None = setting(None, "Redis URL (redis://, rediss://, unix:// or "
+                                "redis+sentinel://H:P[,H:P...]/SERVICE): register, heartbeat load, publish KV events")
     redis_prefix: str = setting(DEFAULT_PREFIX, "prefix of every Redis key")
     redis_signing_key: str | None = setting(None, "this worker's key for signing what it writes into Redis "
                                             "(`prefixlb signing-key --worker-id ID` prints it from the fleet "
