@@ -1,4 +1,4 @@
-"""Workloads by name: ``system-prompt``, ``doc-qa``, ``multi-turn``, ``mooncake:FILE``, ``azure:FILE``.
+"""Workloads by name: ``system-prompt``, ``doc-qa``, ``multi-turn``, ``conversation``, ``mooncake:FILE``, ``azure:FILE``.
 
 ``load_workload(spec, seed, num_requests, options)`` returns a :class:`Workload`; ``options`` are
 ``key=value`` strings for the generator's parameters (``tenants=50``, ``question_tokens=64-256``).
@@ -9,13 +9,14 @@ import inspect
 from typing import Any, Callable
 
 from bench.workloads.base import RequestSpec, TextSource, Workload, WorkloadError, unit_hashes
-from bench.workloads.generated import doc_qa, multi_turn, system_prompt
+from bench.workloads.generated import conversation, doc_qa, multi_turn, system_prompt
 from bench.workloads.traces import MOONCAKE_BLOCK_TOKENS, azure, mooncake
 
 GENERATED: dict[str, Callable[..., Workload]] = {
     "system-prompt": system_prompt,
     "doc-qa": doc_qa,
     "multi-turn": multi_turn,
+    "conversation": conversation,
 }
 TRACES: dict[str, Callable[..., Workload]] = {"mooncake": mooncake, "azure": azure}
 

@@ -3,13 +3,15 @@
 - ``system-prompt``: tenants with Zipf popularity, each with its own long system prompt, and
   short distinct questions;
 - ``doc-qa``: long documents, several questions each, interleaved;
-- ``multi-turn``: chat sessions whose history grows turn by turn, sent with a session header.
+- ``multi-turn``: chat sessions whose history grows turn by turn, sent with a session header;
+- ``conversation``: production-like chat (heavy-tailed turns, a shared first block, no session ids).
 
 Content ids are namespaced by kind (high bits) so that ids of different kinds never collide.
 """
 from __future__ import annotations
 
 import itertools
+import math
 import random
 
 from bench.workloads.base import RequestSpec, Workload, WorkloadError, poisson_arrivals
@@ -110,3 +112,66 @@ def multi_turn(num_requests: int = 1000, seed: int = 0, sessions: int = 50, turn
         num_requests=num_requests, seed=seed, sessions=sessions, turns=list(turns),
         system_tokens=system_tokens, user_tokens=list(user_tokens),
         assistant_tokens=list(assistant_tokens), think_s=think_s, rate=rate))
+
+
+_SHARED, _MESSAGE, _ANSWER = (k << 40 for k in range(8, 11))
+
+
+def _lognormal_tokens(rng: random.Random, median: float, sigma: float, lo: int, hi: int) -> int:
+    return max(lo, min(hi, int(round(median * math.exp(rng.gauss(0.0, sigma))))))
+
+
+def conversation(num_requests: int = 3000, seed: int = 0, rate: float = 2.4, shared_tokens: int = 512,
+                 first_median: int = 4800, first_sigma: float = 1.25, message_median: int = 1000,
+                 message_sigma: float = 1.6, answer_median: int = 250, answer_sigma: float = 0.7,
+                 continue_p: float = 0.3, long_lived: float = 0.02, long_continue_p: float = 0.8,
+                 think_s: float = 40.0, read_s: float = 5.0, max_prompt_tokens: int = 120_000,
+                 session_header: bool = False) -> Workload:
+    """Multi-turn chat traffic like a production conversation trace, with no session ids by default.
+
+    Sessions arrive as a Poisson process of ``rate`` sessions/s. Every prompt starts with the same
+    ``shared_tokens`` (one application's preamble); a session's first prompt adds a heavy-tailed
+    (log-normal) first message, and each next turn extends the previous prompt with the previous
+    answer and a new heavy-tailed message, ``read_s`` (the answer streams and is read) plus an
+    exponential think time of mean ``think_s`` later. A session goes on after each turn with probability ``continue_p`` (``long_continue_p`` for
+    the ``long_lived`` share of sessions), and ends when its prompt would pass
+    ``max_prompt_tokens``. ``session_header`` sends the session id as ``x-session-id`` (a
+    production trace has none: the router sees only the prompts).
+
+    The defaults give ~3.5 requests/s, prompts of mean ~12K tokens (p50 ~7K, p99 ~80K), ~310
+    output tokens, and ~38% of the 512-token prompt blocks reusable with one infinite cache.
+    """
+    if rate <= 0 or not 0 <= continue_p < 1 or not 0 <= long_continue_p < 1 or not 0 <= long_lived <= 1:
+        raise WorkloadError("conversation needs rate > 0 and probabilities in [0, 1)")
+    rng = random.Random(seed)
+    starts = poisson_arrivals(max(1, num_requests), rate, seed + 1)
+    specs: list[tuple[float, tuple, int, str]] = []
+    # One session per slot: the n-th request by time is never later than the n-th session's start,
+    # so the first ``num_requests`` requests by time come from sessions generated here.
+    for s, t in enumerate(starts):
+        keep = long_continue_p if rng.random() < long_lived else continue_p
+        history: list[tuple[int, int]] = [(_SHARED, shared_tokens)]
+        message = _lognormal_tokens(rng, first_median, first_sigma, 16, max_prompt_tokens)
+        turn = 0
+        while True:
+            cid = (s << 12) + turn
+            history.append((_MESSAGE + cid, message))
+            if sum(n for _, n in history) > max_prompt_tokens:
+                break
+            answer = _lognormal_tokens(rng, answer_median, answer_sigma, 1, 4096)
+            specs.append((t, tuple(history), answer, f"conv-{s}"))
+            history.append((_ANSWER + cid, answer))
+            turn += 1
+            if rng.random() >= keep or turn >= 4095:
+                break
+            t += read_s + rng.expovariate(1.0 / think_s)
+            message = _lognormal_tokens(rng, message_median, message_sigma, 1, max_prompt_tokens)
+    specs.sort(key=lambda x: x[0])
+    requests = [RequestSpec(i, t, segs, out, session if session_header else None)
+                for i, (t, segs, out, session) in enumerate(specs[:num_requests])]
+    return Workload("conversation", requests, params=dict(
+        num_requests=num_requests, seed=seed, rate=rate, shared_tokens=shared_tokens,
+        first_median=first_median, first_sigma=first_sigma, message_median=message_median,
+        message_sigma=message_sigma, answer_median=answer_median, answer_sigma=answer_sigma,
+        continue_p=continue_p, long_lived=long_lived, long_continue_p=long_continue_p, think_s=think_s,
+        read_s=read_s, max_prompt_tokens=max_prompt_tokens, session_header=session_header))

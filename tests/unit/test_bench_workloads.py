@@ -10,7 +10,7 @@ from bench.workloads import TextSource, WorkloadError, load_workload, unit_hashe
 MOONCAKE = "/work/shared/traces/mooncake_synthetic_trace.jsonl"
 
 
-@pytest.mark.parametrize("name", ["system-prompt", "doc-qa", "multi-turn"])
+@pytest.mark.parametrize("name", ["system-prompt", "doc-qa", "multi-turn", "conversation"])
 def test_generated_workloads_are_deterministic_given_the_seed(name):
     a = load_workload(name, seed=3, num_requests=200)
     b = load_workload(name, seed=3, num_requests=200)
@@ -56,6 +56,40 @@ def test_multi_turn_history_grows_and_each_turn_extends_the_previous_one():
         assert len(nxt.segments) == len(prev.segments) + 2  # the answer, then the next question
         assert nxt.segments[len(prev.segments)][1] == prev.max_tokens
         assert nxt.arrival_s > prev.arrival_s
+
+
+def test_conversation_turns_extend_the_previous_prompt_with_its_answer_and_share_only_the_first_block():
+    w = load_workload("conversation", seed=1, num_requests=400)
+    assert all(r.session is None for r in w)  # like a production trace: no session ids
+    assert {r.segments[0] for r in w} == {w.requests[0].segments[0]} and w.requests[0].segments[0][1] == 512
+    by_first = {}
+    for r in w:
+        by_first.setdefault(r.segments[1][0], []).append(r)
+    turns = max(by_first.values(), key=len)
+    assert len(turns) >= 3
+    for prev, nxt in zip(turns, turns[1:]):
+        assert nxt.segments[:len(prev.segments)] == prev.segments
+        assert nxt.segments[len(prev.segments)][1] == prev.max_tokens  # the previous answer, then a message
+        assert nxt.arrival_s >= prev.arrival_s + 5.0  # the answer streams and is read first
+    # Two different conversations share exactly the first 512-token block.
+    a, b = (v[0] for v in list(by_first.values())[:2])
+    assert unit_hashes(a.segments, 512)[0] == unit_hashes(b.segments, 512)[0]
+    assert unit_hashes(a.segments, 512)[1:2] != unit_hashes(b.segments, 512)[1:2]
+
+
+def test_conversation_defaults_look_like_the_production_trace_the_issue_describes():
+    w = load_workload("conversation", seed=0, num_requests=3000)
+    lengths = sorted(r.prompt_tokens for r in w)
+    assert 10_000 < sum(lengths) / len(lengths) < 14_500 and 5_000 < lengths[1500] < 9_000
+    assert 50_000 < lengths[int(0.99 * len(lengths))] < 120_000
+    seen, reused, total = set(), 0, 0
+    for r in w:
+        for h in unit_hashes(r.segments, 512):
+            reused += h in seen
+            seen.add(h)
+            total += 1
+    assert 0.28 < reused / total < 0.45  # about a third of the blocks are reusable with one infinite cache
+    assert 2.5 < len(w) / w.requests[-1].arrival_s < 4.5  # a few requests per second
 
 
 def test_mooncake_blocks_become_512_token_segments_with_the_exact_input_length():
