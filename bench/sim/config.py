@@ -9,7 +9,7 @@ from router.routing.policy import DEFAULT_AFFINITY, DEFAULT_POLICY
 from worker.simulator.profiles import SIM_MAX_NUM_BATCHED_TOKENS, SIM_MAX_NUM_SEQS
 
 from bench.sim.fleet import FleetConfig
-from bench.sim.router import SimRouterConfig
+from bench.sim.router import HTTP_HOP_S, INGEST_S_PER_TOKEN, KV_EVENT_DELAY_S, SimRouterConfig
 from bench.workloads import Workload, load_workload
 from bench.workloads.base import retime_poisson
 
@@ -20,7 +20,7 @@ ENV_PREFIX = "PREFIXLB_SIM_"
 class SimSettings:
     """A fleet simulation: workload, fleet, router."""
 
-    workload: str = setting("system-prompt", "system-prompt | doc-qa | multi-turn | mooncake:FILE | azure:FILE")
+    workload: str = setting("system-prompt", "system-prompt | doc-qa | multi-turn | conversation | mooncake:FILE | azure:FILE")
     workload_opt: list[str] = setting(list, "workload option key=value (repeatable)", flag="--workload-opt")
     seed: int = setting(0, "seed: the workload is deterministic given it")
     num_requests: int | None = setting(None, "number of requests (default: the workload's own)", minimum=1)
@@ -41,6 +41,12 @@ class SimSettings:
     policy: str = setting(DEFAULT_POLICY, "routing policy", choices=policy_names)
     affinity: float = setting(DEFAULT_AFFINITY, "cache_aware affinity strength", minimum=0.0, maximum=1.0)
     report_interval: float = setting(0.5, "seconds between workers' load reports (0: none)", minimum=0.0)
+    report_poll: float = setting(1.0, "seconds between the router's reads of the latest reports (its "
+                                 "--registry-interval over Redis; 0: each report read as it is sent)", minimum=0.0)
+    kv_event_delay: float = setting(KV_EVENT_DELAY_S, "seconds a KV event takes to reach the router", minimum=0.0)
+    hop: float = setting(HTTP_HOP_S, "seconds of one HTTP hop router <-> worker (a TTFT pays two)", minimum=0.0)
+    ingest: float = setting(INGEST_S_PER_TOKEN, "host seconds per prompt token before the engine starts "
+                            "(HTTP body, tokenizing, block hashing)", minimum=0.0)
     upper_bound: bool = setting(False, "one worker with the whole fleet's capacity and compute")
     out: str = setting("runs/sim", "output directory")
     label: str | None = setting(None, "name of this run in reports (default: the directory name)")
@@ -59,7 +65,8 @@ def fleet_config(s: SimSettings, **overrides) -> FleetConfig:
     unit = s.unit or (512 if s.workload.startswith("mooncake") else 64)
     router = SimRouterConfig(policy=overrides.pop("policy", s.policy),
                              affinity=overrides.pop("affinity", s.affinity),
-                             report_interval_s=s.report_interval)
+                             report_interval_s=s.report_interval, report_poll_s=s.report_poll,
+                             kv_event_delay_s=s.kv_event_delay, hop_s=s.hop, ingest_s_per_token=s.ingest)
     return FleetConfig(workers=s.workers, gpu=s.gpu, model=s.sim_model, tp=s.tp, kv_blocks=s.kv_blocks,
                        block_size=s.block_size, unit=unit, max_num_seqs=s.max_num_seqs,
                        max_num_batched_tokens=s.max_num_batched_tokens, speedup=s.speedup,

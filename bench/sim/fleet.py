@@ -13,10 +13,13 @@ import heapq
 import math
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 from worker.simulator.latency import LatencyModel
 from worker.simulator.profiles import SIM_MAX_NUM_BATCHED_TOKENS, SIM_MAX_NUM_SEQS, get_gpu, get_model
 from worker.simulator.runner import nominal_speed
+
+from protocol import LoadReport
 
 from bench.records import RequestRecord
 from bench.sim.aggregate import make_worker
@@ -106,24 +109,60 @@ def _simulate(workload: Workload, cfg: FleetConfig) -> SimResult:
     interval = cfg.router.report_interval_s
     measured = cfg.router.speed_report == "measured"
     next_report = 0.0
-
     reporting = interval > 0
+    # What reaches the router late (bench/sim/router.py, SimRouterConfig): reports wait for the
+    # router's next poll, KV events and first bytes / finishes for their delivery delay.
+    poll = cfg.router.report_poll_s
+    polling = reporting and poll > 0
+    next_poll = 0.0
+    latest: dict[int, LoadReport] = {}
+    kv_delay, hop = cfg.router.kv_event_delay_s, cfg.router.hop_s
+    # Host work before the engine sees a request: the client pays it in full (the engine starts
+    # that much earlier here than over HTTP, a small error at the loads the model is used at).
+    ingest = cfg.router.ingest_s_per_token
+    delayed: list[tuple[float, int, Callable, tuple]] = []  # (delivery time, seq, handler, args)
+    inf = math.inf
+
     heappop, heappush = heapq.heappop, heapq.heappush
     on_first_token, on_kv, on_finish = router.on_first_token, router.on_kv, router.on_finish
 
+    def heartbeat(at: float) -> None:
+        nonlocal next_poll
+        for wi, w in enumerate(workers):
+            rate = w.speed.prefill_tokens_per_s if measured else prefill_rate
+            if polling:
+                latest[wi] = router.make_report(w, at, rate, w.speed.decode_step_s)
+            else:
+                router.report(w, at, rate, w.speed.decode_step_s)
+        if polling:
+            next_poll = max(next_poll, math.ceil(at / poll) * poll)
+
+    def read_reports(at: float) -> None:
+        for report in latest.values():
+            router.apply_report(report, at)
+        latest.clear()
+
     # The event loop: millions of iterations, so its names are locals and its calls few.
     def run_until(t: float) -> None:
-        nonlocal seq, next_report
-        while heap:
-            head = heap[0][0]
+        nonlocal seq, next_report, next_poll
+        while heap or delayed:
+            head = heap[0][0] if heap else inf
+            if delayed and delayed[0][0] < head:
+                head = delayed[0][0]
             if reporting and next_report <= (head if head < t else t):
-                for w in workers:
-                    rate = w.speed.prefill_tokens_per_s if measured else prefill_rate
-                    router.report(w, next_report, rate, w.speed.decode_step_s)
+                heartbeat(next_report)
                 next_report += interval
                 continue
+            if latest and next_poll <= (head if head < t else t):
+                read_reports(next_poll)
+                next_poll += poll
+                continue
             if head > t:
-                return
+                break
+            if delayed and delayed[0][0] == head:
+                _, _, handler, args = heappop(delayed)
+                handler(*args)
+                continue
             when, _, wi, version = heappop(heap)
             w = workers[wi]
             if version != w.version:
@@ -131,17 +170,32 @@ def _simulate(workload: Workload, cfg: FleetConfig) -> SimResult:
             nxt = w.on_event(when)
             if w.first_tokens:
                 for req in w.take_first_tokens():
-                    on_first_token(req, when)
+                    if hop:
+                        seq += 1
+                        heappush(delayed, (when + hop, seq, on_first_token, (req, when + hop)))
+                    else:
+                        on_first_token(req, when)
             for kind, hashes in w.take_kv_events():
-                on_kv(w.worker_id, kind, hashes, when)
+                if kv_delay:
+                    seq += 1
+                    heappush(delayed, (when + kv_delay, seq, on_kv, (w.worker_id, kind, hashes, when + kv_delay)))
+                else:
+                    on_kv(w.worker_id, kind, hashes, when)
             if w.finished:
                 for req in w.take_finished():
-                    on_finish(req, when)
+                    if hop:
+                        seq += 1
+                        heappush(delayed, (when + hop, seq, on_finish, (req, when + hop)))
+                    else:
+                        on_finish(req, when)
             if nxt is not None:
                 seq += 1
                 heappush(heap, (nxt, seq, wi, w.version))
+        if latest and next_poll <= t:  # reports sent before the fleet went idle
+            read_reports(next_poll)
+            next_poll += poll
         # An idle fleet sends nothing new; resume the heartbeat grid at ``t``.
-        if reporting and t != float("inf"):
+        if reporting and t != inf:
             next_report = max(next_report, math.ceil(t / interval) * interval)
 
     hasher = UnitHasher(cfg.unit)  # = bench.workloads.unit_hashes, memoised
@@ -178,8 +232,8 @@ def _simulate(workload: Workload, cfg: FleetConfig) -> SimResult:
         ok = r.error is None
         records.append(RequestRecord(
             index=r.index, sent_s=r.arrival, worker_id=r.worker_id,
-            ttft_ms=(r.first_token_at - r.arrival) * 1000.0 if ok else None,
-            e2e_ms=(r.finished_at - r.arrival) * 1000.0 if ok else None,
+            ttft_ms=(r.first_token_at - r.arrival + 2 * hop + ingest * r.num_prompt) * 1000.0 if ok else None,
+            e2e_ms=(r.finished_at - r.arrival + 2 * hop + ingest * r.num_prompt) * 1000.0 if ok else None,
             prompt_tokens=r.num_prompt if ok else 0, cached_tokens=max(0, r.cached_tokens) if ok else 0,
             completion_tokens=r.max_tokens if ok else 0, error=r.error, session=r.session))
     span = max(1e-9, end - (requests[0].arrival if requests else 0.0))

@@ -36,12 +36,49 @@ class SimRouterConfig:
     affinity: float = DEFAULT_AFFINITY
     ring_key_bytes: int = DEFAULT_RING_KEY_CHUNKS * DEFAULT_CHUNK_SIZE  # the router's default
     report_interval_s: float = 0.5  # the worker's --heartbeat-interval default
+    # What the HTTP router sees, and when (0 everywhere: the router sees everything at once).
+    # ``report_poll_s``: the router reads each worker's latest report on this period (its
+    # --registry-interval over Redis), not when the worker sends it; ``kv_event_delay_s``: a KV
+    # event reaches the router this long after the worker's step (Redis stream, XREAD);
+    # ``hop_s``: one HTTP hop router <-> worker (the client's TTFT pays two, the router's first
+    # byte and finish feedback one).
+    report_poll_s: float = 0.0
+    kv_event_delay_s: float = 0.0
+    hop_s: float = 0.0
+    # Host work on a request before its first token that the latency model does not count (HTTP
+    # body, tokenizing, block hashing in the worker; the router's prompt hashing), per prompt token.
+    ingest_s_per_token: float = 0.0
     optimistic_ttl_s: float = DEFAULT_OPTIMISTIC_TTL_S
     index_entries: int = 2_000_000
     # "measured": each replica reports its own SpeedMeter EMA, as the worker does; "nominal": all
     # report the profile's nominal prefill speed (what a context-normalised measurement would give
     # identical GPUs; the report's "control" rows).
     speed_report: str = "measured"
+
+
+# One HTTP hop router <-> worker on loopback, router and worker processing included (the worker's
+# one-token request costs ~1.2 ms, the router adds ~3 ms per request both ways: docs/benchmarks.md).
+HTTP_HOP_S = 0.002
+# A KV event's way from the worker's step to the router's index: an XADD, then the router's XREAD.
+KV_EVENT_DELAY_S = 0.002
+# Measured: a 1-token answer from a simulated worker at an infinite time scale takes 2.3 ms for a
+# 100-token prompt, 11.7 ms for 8K tokens, 35 ms for 32K (docs/benchmarks.md): ~1 us per token.
+INGEST_S_PER_TOKEN = 1.0e-6
+
+
+def http_view(time_scale: float = 1.0, report_interval_s: float = 0.5,
+              registry_interval_s: float = 1.0) -> dict[str, float]:
+    """The :class:`SimRouterConfig` delays of the HTTP router, in workload time.
+
+    Defaults are the deployed ones (the worker's ``--heartbeat-interval``, the router's
+    ``--registry-interval``); an HTTP replay whose simulated workers run ``time_scale`` times
+    faster than real time sees every wall-clock period and delay ``time_scale`` times longer.
+    """
+    return {"report_interval_s": report_interval_s * time_scale,
+            "report_poll_s": registry_interval_s * time_scale,
+            "kv_event_delay_s": KV_EVENT_DELAY_S * time_scale,
+            "hop_s": HTTP_HOP_S * time_scale,
+            "ingest_s_per_token": INGEST_S_PER_TOKEN * time_scale}
 
 
 class SimRouter:
@@ -100,14 +137,23 @@ class SimRouter:
                                              ts=now), now)
 
     def report(self, worker: SimWorker, now: float, prefill_tokens_per_s: float, decode_step_s: float) -> None:
-        """A worker's heartbeat load report."""
-        self.balancer.apply_report(LoadReport(
+        """A worker's heartbeat load report, taken by the router at once."""
+        self.apply_report(self.make_report(worker, now, prefill_tokens_per_s, decode_step_s), now)
+
+    @staticmethod
+    def make_report(worker: SimWorker, now: float, prefill_tokens_per_s: float, decode_step_s: float) -> LoadReport:
+        """The load report ``worker`` sends at ``now``."""
+        return LoadReport(
             worker_id=worker.worker_id, running=len(worker.running), waiting=len(worker.waiting),
             queued_prefill_tokens=worker.queued_prefill_tokens, running_tokens=worker.running_tokens,
             free_blocks=worker.pool.get_num_free_blocks(), total_blocks=worker.pool.num_blocks,
             capacity_tokens=worker.pool.num_blocks * worker.unit,
             max_num_seqs=worker.max_num_seqs, max_num_batched_tokens=worker.max_num_batched_tokens,
-            prefill_tokens_per_s=prefill_tokens_per_s, decode_step_s=decode_step_s, ts=now), now)
+            prefill_tokens_per_s=prefill_tokens_per_s, decode_step_s=decode_step_s, ts=now)
+
+    def apply_report(self, report: LoadReport, now: float) -> None:
+        """The router reads ``report`` at ``now`` (it may be older: stamped with its ``ts``)."""
+        self.balancer.apply_report(report, now)
 
 
-__all__ = ["NoCapacity", "SimRouter", "SimRouterConfig"]
+__all__ = ["HTTP_HOP_S", "INGEST_S_PER_TOKEN", "KV_EVENT_DELAY_S", "NoCapacity", "SimRouter", "SimRouterConfig", "http_view"]

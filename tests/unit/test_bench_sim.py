@@ -128,6 +128,36 @@ def test_cache_aware_routing_keeps_far_more_hits_than_round_robin_on_shared_syst
     assert hit["cache_aware"] > hit["round_robin"] + 0.2
 
 
+def test_the_router_sees_reports_at_its_poll_and_kv_events_and_first_bytes_after_their_delays():
+    workload = load_workload("conversation", seed=0, num_requests=300)
+    base = FleetConfig(workers=4, unit=512, kv_blocks=28531)
+    lag = FleetConfig(workers=4, unit=512, kv_blocks=28531,
+                      router=SimRouterConfig(report_interval_s=2.0, report_poll_s=4.0, kv_event_delay_s=0.5,
+                                             hop_s=0.01))
+    a, b = simulate(workload, base), simulate(workload, lag)
+    assert simulate(workload, lag).records == b.records  # still deterministic
+    assert a.records != b.records
+    # The client pays two hops on every request: no TTFT below 20 ms with hops of 10 ms.
+    assert min(r.ttft_ms for r in b.records) >= 20.0 > min(r.ttft_ms for r in a.records)
+    assert all(r.ok for r in b.records)
+    # Each delay on its own changes what the router decides (KV events matter once blocks are
+    # evicted: a small pool; the optimistic inserts at dispatch stand in for late "stored" ones).
+    def records(**delays):
+        return simulate(workload, FleetConfig(workers=4, unit=512, kv_blocks=8000,
+                                              router=SimRouterConfig(report_interval_s=2.0, **delays))).records
+    plain = records()
+    assert records(report_poll_s=4.0) != plain
+    assert records(kv_event_delay_s=5.0) != plain
+
+
+def test_with_no_delays_the_lag_model_changes_nothing():
+    workload = load_workload("multi-turn", seed=5, num_requests=300)
+    plain = FleetConfig(workers=4, unit=64, kv_blocks=3000, speedup=4.0)
+    zero = FleetConfig(workers=4, unit=64, kv_blocks=3000, speedup=4.0,
+                       router=SimRouterConfig(report_poll_s=0.0, kv_event_delay_s=0.0, hop_s=0.0))
+    assert simulate(workload, plain).records == simulate(workload, zero).records
+
+
 def test_the_upper_bound_is_one_worker_with_the_whole_fleets_capacity():
     workload = load_workload("doc-qa", seed=0, num_requests=200)
     result = simulate(workload, FleetConfig(workers=4, unit=64, kv_blocks=5000, upper_bound=True))

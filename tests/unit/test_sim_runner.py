@@ -80,6 +80,23 @@ def test_virtual_clock_restarts_from_now_after_an_idle_gap():
     assert ft.sleeps == pytest.approx([0.01, 0.01])
 
 
+def test_virtual_clock_measures_how_far_a_busy_host_falls_behind_and_catches_up():
+    ft = FakeTime()
+    clock = VirtualClock(time_scale=10.0, now=ft.now, sleep=ft.sleep, idle_gap_s=0.05)
+    clock.advance(1.0)                      # scheduled to end at 100.1 (wall)
+    ft.t += 0.3                             # the host took 300 ms more than the step's 100 ms
+    clock.advance(1.0, continuing=True)     # same work going on: late by 0.3 s wall = 3 s modelled
+    assert clock.behind_s == pytest.approx(3.0)
+    assert ft.sleeps == pytest.approx([0.1])  # no sleep: the clock catches up instead of resetting
+    ft.t = 100.15                           # host caught up (wall before the next scheduled end, 100.2)
+    clock.advance(1.0, continuing=True)
+    assert clock.behind_s == 0.0
+    assert clock.behind_max_s == pytest.approx(3.0)
+    ft.t += 10.0                            # idle: no lateness, the clock restarts from now
+    clock.advance(1.0)
+    assert (clock.behind_s, clock.behind_max_s) == (0.0, pytest.approx(3.0))
+
+
 def test_simulated_engine_takes_capacity_from_the_profile_unless_overridden():
     engine, runner = build_simulated_engine("H100-80G", "llama-3-8b")
     assert engine.num_kv_blocks == 28_531

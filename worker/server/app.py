@@ -77,7 +77,9 @@ def build_engine(cfg: ServerConfig) -> BuiltEngine:
         if answers is not None:
             info["recorded_answers"] = {"model": answers.model, "prompts": len(answers)}
         built = BuiltEngine(engine, info, lambda: {"sim_modelled_seconds_total": runner.clock.modelled_s,
-                                                   "sim_steps_total": runner.steps}, answers)
+                                                   "sim_steps_total": runner.steps,
+                                                   "sim_behind_seconds": runner.clock.behind_s,
+                                                   "sim_behind_max_seconds": runner.clock.behind_max_s}, answers)
     else:
         config = EngineConfig(
             model=cfg.model, block_size=cfg.block_size, num_kv_blocks=cfg.kv_blocks,

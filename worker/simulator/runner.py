@@ -47,13 +47,31 @@ class VirtualClock:
     now: Callable[[], float] = time.monotonic
     sleep: Callable[[float], None] = time.sleep
     modelled_s: float = 0.0  # total modelled (unscaled) time of all steps
+    # How far the host made the simulated GPU fall behind the model, in modelled seconds: the
+    # lateness of a step that follows another without an idle gap (its wall start is past the
+    # previous step's scheduled end). Above a few percent of a TTFT, a replay is not faithful.
+    behind_s: float = 0.0
+    behind_max_s: float = 0.0
     _next: float = field(default=0.0)
 
-    def advance(self, modelled_s: float) -> float:
-        """Account one step of ``modelled_s`` seconds; sleep until it ends; return the wall sleep."""
+    def advance(self, modelled_s: float, continuing: bool = False) -> float:
+        """Account one step of ``modelled_s`` seconds; sleep until it ends; return the wall sleep.
+
+        ``continuing``: the step goes on with work of the previous one (no idle gap between
+        them), so it starts where the previous one was scheduled to end even when the host is
+        late -- the clock catches up instead of losing the modelled time.
+        """
         self.modelled_s += modelled_s
         now = self.now()
-        start = self._next if now - self._next < self.idle_gap_s else now
+        if continuing:
+            start = self._next
+            late = (now - start) * self.time_scale
+            self.behind_s = late if late > 0.0 else 0.0
+            if self.behind_s > self.behind_max_s:
+                self.behind_max_s = self.behind_s
+        else:
+            start = self._next if now - self._next < self.idle_gap_s else now
+            self.behind_s = 0.0
         self._next = start + modelled_s / self.time_scale
         wait = self._next - now
         if wait > 0:
@@ -72,6 +90,7 @@ class SimulatedRunner:
         self.clock = clock or VirtualClock(time_scale)
         self.steps = 0
         self.lora_slots: dict[int, LoRAAdapter] = {}  # what the engine loaded into each slot
+        self._previous: set[str] = set()  # the request ids of the last step
 
     def lora_params(self, adapter: LoRAAdapter) -> int:
         """The adapter's parameters on the simulated model (its rank and targets, the profile's shapes)."""
@@ -127,7 +146,9 @@ class SimulatedRunner:
             self.lora_slots[slot] = adapter
             loads += self.latency.lora_slot_load_time(self.lora_params(adapter))
         modelled = self.latency.step_time(self.shape(batch)) + loads
-        self.clock.advance(modelled)
+        ids = {s.request_id for s in batch.seqs}
+        self.clock.advance(modelled, continuing=not ids.isdisjoint(self._previous))
+        self._previous = ids
         self.steps += 1
         out = RunnerOutput(step_s=modelled / self.clock.time_scale, lora_load_s=loads / self.clock.time_scale)
         for s in batch.seqs:
