@@ -22,6 +22,7 @@ import json
 import math
 import sys
 import time
+import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,8 +31,9 @@ from bench.cluster import ClusterError, cluster
 from bench.loadgen import LoadConfig, run_load
 from bench.peers.launch import PeerError
 from bench.report import table, write_run
+from bench.stats import send_lag
 from bench.sim.fleet import FleetConfig, simulate
-from bench.sim.router import SimRouterConfig
+from bench.sim.router import SimRouterConfig, http_view
 from bench.workloads import TextSource, Workload, load_workload
 from router.routing.policies import get_policy, policy_names
 from router.routing.policy import DEFAULT_AFFINITY
@@ -78,6 +80,9 @@ class ReportPlan:
     seed: int = 0
     http_policies: tuple[str, ...] = field(default=())
     http_from: Path | None = None  # reuse the HTTP runs of an earlier report instead of replaying
+    workload: str | None = None  # a workload spec (e.g. ``conversation``) instead of the trace
+    workload_opts: tuple[str, ...] = ()
+    http_upper_bound: bool = False  # replay the upper bound over HTTP too (one merged worker process)
 
 
 def prefixlb_rows(affinities: tuple[float, ...]) -> list[tuple[str, str, float | None]]:
@@ -93,24 +98,28 @@ def prefixlb_rows(affinities: tuple[float, ...]) -> list[tuple[str, str, float |
 
 
 def _fleet(plan: ReportPlan, workers: int, unit: int, speedup: float, policy: str = "cache_aware",
-           affinity: float | None = None, upper_bound: bool = False, speed_report: str = "measured") -> FleetConfig:
+           affinity: float | None = None, upper_bound: bool = False, speed_report: str = "measured",
+           time_scale: float = 1.0) -> FleetConfig:
+    """A simulated fleet that sees what the HTTP router sees at ``time_scale`` (1: a real deployment)."""
     return FleetConfig(workers=workers, kv_blocks=plan.kv_blocks, unit=unit, speedup=speedup,
                        upper_bound=upper_bound,
                        router=SimRouterConfig(policy=policy, affinity=DEFAULT_AFFINITY if affinity is None else affinity,
-                                              speed_report=speed_report))
+                                              speed_report=speed_report, **http_view(time_scale)))
 
 
 def sim_scenario(plan: ReportPlan, name: str, workload: Workload, workers: int, unit: int,
-                 speedup: float) -> list[tuple[str, dict, dict]]:
+                 speedup: float, time_scale: float = 1.0, control: bool = True) -> list[tuple[str, dict, dict]]:
     """Every prefixlb policy and the upper bound on one simulated setting."""
     out = []
-    configs = [("upper bound", _fleet(plan, workers, unit, speedup, upper_bound=True))]
-    configs += [(label, _fleet(plan, workers, unit, speedup, policy, a)) for label, policy, a
-                in prefixlb_rows(plan.affinities)]
+    configs = [("upper bound", _fleet(plan, workers, unit, speedup, upper_bound=True, time_scale=time_scale))]
+    configs += [(label, _fleet(plan, workers, unit, speedup, policy, a, time_scale=time_scale))
+                for label, policy, a in prefixlb_rows(plan.affinities)]
     # Control: every replica reports the profile's nominal speed. Since speeds are measured in the
     # router's units this row should match the default one; a gap means the measured speeds mislead.
-    configs += [(f"control: cache_aware a={DEFAULT_AFFINITY:g}, nominal speed",
-                 _fleet(plan, workers, unit, speedup, "cache_aware", DEFAULT_AFFINITY, speed_report="nominal"))]
+    if control:
+        configs += [(f"control: cache_aware a={DEFAULT_AFFINITY:g}, nominal speed",
+                     _fleet(plan, workers, unit, speedup, "cache_aware", DEFAULT_AFFINITY, speed_report="nominal",
+                            time_scale=time_scale))]
     for label, cfg in configs:
         result = simulate(workload, cfg)
         result.meta["label"] = label
@@ -153,14 +162,52 @@ def http_run(plan: ReportPlan, label: str, workload: Workload, kind: str, policy
         load = LoadConfig(target=target, time_scale=plan.time_scale, speedup=plan.speedup, progress=False,
                           request_timeout_s=1800.0, seed=plan.seed)
         records = asyncio.run(run_load(workload, load, TextSource(plan.seed)))
+        behind = max((workers_behind_s(w.url) for w in workers), default=0.0)
     _drop_redis_keys(plan.redis, prefix)
     meta = {"label": label, "kind": "http", "router": kind, "policy": policy, "affinity": affinity,
             "time_scale": plan.time_scale, "speedup": plan.speedup, "workers": plan.workers,
             "kv_blocks_per_worker": plan.kv_blocks, "workload": workload.name,
-            "wall_s": round(time.time() - started, 1)}
+            "wall_s": round(time.time() - started, 1),
+            "faithfulness": faithfulness(records, behind)}
     fleet = ["sim-0"] if kind == "upper" else [f"sim-{i}" for i in range(plan.workers)]
     summary = write_run(run_dir, records, meta, fleet=fleet)
     return label, summary, meta
+
+
+# A replay is flagged when the load generator sent a request this late (p99, workload time) or
+# a simulated worker fell this far behind its latency model (max, modelled time): beyond them
+# the measured latencies are the box's, not the router's.
+MAX_SEND_LAG_S = 0.1
+# How close the simulator must come to the HTTP replay (hit rate in points, TTFT p50 relative).
+MAX_SIM_HIT_POINTS, MAX_SIM_P50_ERROR = 2.0, 0.10
+MAX_WORKER_BEHIND_S = 0.25
+
+
+def workers_behind_s(url: str) -> float:
+    """How far the simulated worker at ``url`` fell behind its latency model at worst (s);
+    0 when it does not say (not a simulated worker)."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+            text = resp.read().decode("utf-8", "replace")
+    except OSError:
+        return 0.0
+    for line in text.splitlines():
+        if line.startswith("prefixlb_worker_sim_behind_max_seconds "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def faithfulness(records: list, worker_behind_s: float) -> dict:
+    """Whether a replay measured the router rather than the box (see ``MAX_SEND_LAG_S``)."""
+    lag = send_lag(records)
+    lag_p99 = (lag["p99"] / 1000.0) if lag else 0.0
+    reasons = []
+    if lag_p99 > MAX_SEND_LAG_S:
+        reasons.append(f"load generator {lag_p99:.2f} s behind schedule (p99)")
+    if worker_behind_s > MAX_WORKER_BEHIND_S:
+        reasons.append(f"a simulated worker {worker_behind_s:.2f} s behind its model")
+    return {"send_lag_p99_s": round(lag_p99, 4), "worker_behind_max_s": round(worker_behind_s, 4),
+            "faithful": not reasons, "reasons": reasons}
 
 
 def _drop_redis_keys(url: str | None, prefix: str) -> None:
@@ -220,8 +267,15 @@ def _util(meta: dict) -> str:
 
 def section(title: str, rows: list[tuple[str, dict, dict]], http: bool) -> list[str]:
     """A titled table plus its goal checks."""
-    util = {label: _util(meta) for label, _, meta in rows}
+    util = {label: _util(meta) + (" ⚠" if not meta.get("faithfulness", {}).get("faithful", True) else "")
+            for label, _, meta in rows}
     lines = [f"### {title}", "", table([(label + util[label], s) for label, s, _ in rows]), ""]
+    for label, _, meta in rows:
+        if meta.get("note"):
+            lines.append(f"- {label}: {meta['note']}")
+        f = meta.get("faithfulness")
+        if f and not f["faithful"]:
+            lines.append(f"- ⚠ {label}: not faithful -- {'; '.join(f['reasons'])}: its latencies are the box's")
     lines += goal_checks(rows, http) + [""]
     return lines
 
@@ -229,8 +283,9 @@ def section(title: str, rows: list[tuple[str, dict, dict]], http: bool) -> list[
 def validation(sim_rows: list[tuple[str, dict, dict]], http_rows: list[tuple[str, dict, dict]]) -> list[str]:
     """Simulator vs HTTP replay, row by row: hit-rate difference (points) and TTFT p50 ratio."""
     sim = {label: s for label, s, _ in sim_rows}
-    lines = ["| run | hit rate sim / HTTP | difference (points) | TTFT p50 sim / HTTP (s) | ratio |",
-             "|---|---|---|---|---|"]
+    lines = ["| run | hit rate sim / HTTP | difference (points) | TTFT p50 sim / HTTP (s) | ratio | "
+             f"within {MAX_SIM_HIT_POINTS:g} points and {MAX_SIM_P50_ERROR:.0%} |",
+             "|---|---|---|---|---|---|"]
     for label, h, _ in http_rows:
         s = sim.get(label)
         if s is None:
@@ -238,8 +293,9 @@ def validation(sim_rows: list[tuple[str, dict, dict]], http_rows: list[tuple[str
         diff = 100.0 * (s["hit_rate"] - h["hit_rate"])
         p50s, p50h = s["ttft_ms"]["p50"] / 1000, h["ttft_ms"]["p50"] / 1000
         ratio = p50s / p50h if p50h else math.nan
+        ok = abs(diff) <= MAX_SIM_HIT_POINTS and abs(ratio - 1.0) <= MAX_SIM_P50_ERROR
         lines.append(f"| {label} | {s['hit_rate']:.3f} / {h['hit_rate']:.3f} | {diff:+.1f} | "
-                     f"{p50s:.3f} / {p50h:.3f} | {ratio:.2f} |")
+                     f"{p50s:.3f} / {p50h:.3f} | {ratio:.2f} | {'✅' if ok else '❌'} |")
     return lines
 
 
@@ -256,34 +312,61 @@ def load_http_rows(report_dir: Path) -> list[tuple[str, dict, dict]]:
     return sorted(rows, key=lambda r: rank.get(r[0], len(order)))
 
 
+def _workload_of(plan: ReportPlan) -> tuple[Workload, int]:
+    """The report's workload and the simulator's block for it (512 tokens for trace-like prompts)."""
+    if plan.workload:
+        wl = load_workload(plan.workload, plan.seed, plan.num_requests, list(plan.workload_opts) or None)
+        return wl, (512 if plan.workload.startswith(("mooncake", "conversation")) else 64)
+    return load_workload(f"mooncake:{plan.trace}", plan.seed, plan.num_requests), 512
+
+
+def sim_upper_bound(plan: ReportPlan, workload: Workload, unit: int) -> tuple[str, dict, dict]:
+    """The upper bound from the simulator, as the HTTP replay would see it (its time scale)."""
+    result = simulate(workload, _fleet(plan, plan.workers, unit, plan.speedup, upper_bound=True,
+                                       time_scale=plan.time_scale))
+    result.meta["label"] = "upper bound"
+    result.meta["note"] = ("from the simulator (one merged worker, the replay's time scale): a single simulated "
+                           "worker process cannot keep the whole fleet's load in real time on a small box")
+    summary = write_run(plan.out / "http" / "upper_bound_sim", result.records, result.meta,
+                        fleet=list(result.meta["utilisation"]))
+    return "upper bound", summary, result.meta
+
+
+def http_upper_bound(plan: ReportPlan, workload: Workload, unit: int) -> tuple[str, dict, dict]:
+    """The upper bound over HTTP if its replay is faithful, else the simulator's (with the reason)."""
+    row = http_run(plan, "upper bound", workload, "upper", "none")
+    faith = row[2].get("faithfulness", {})
+    if faith.get("faithful", True):
+        return row
+    label, summary, meta = sim_upper_bound(plan, workload, unit)
+    meta["note"] += f"; the HTTP replay was not faithful ({'; '.join(faith['reasons'])})"
+    return label, summary, meta
+
+
 def run_report(plan: ReportPlan) -> str:
     """Run everything the plan asks for; returns (and writes) the report's markdown."""
     plan.out.mkdir(parents=True, exist_ok=True)
-    trace = load_workload(f"mooncake:{plan.trace}", plan.seed, plan.num_requests)
+    trace, unit = _workload_of(plan)
     lines = [f"## Routing report: {trace.name}", "",
              f"Command: `prefixlb bench report {' '.join(sys.argv[3:]) if len(sys.argv) > 3 else ''}`".rstrip(),
              f"Plan: `{json.dumps(dataclasses.asdict(plan), default=str)}`", ""]
-    sim_main: list[tuple[str, dict, dict]] = []
     if plan.sim:
         for n in plan.fleet_sizes:
             speed = plan.speedup * n / plan.workers
-            rows = sim_scenario(plan, f"mooncake-{n}w", trace, n, 512, speed)
-            if n == plan.workers:
-                sim_main = rows
-            lines += section(f"Simulator: Mooncake trace, {n} workers, speed-up {speed:g}", rows, http=False)
-        for name, opts in (GENERATED.items() if plan.generated_requests > 0 else ()):
+            rows = sim_scenario(plan, f"{trace.name.split(':')[0]}-{n}w", trace, n, unit, speed)
+            lines += section(f"Simulator: {trace.name}, {n} workers, speed-up {speed:g}", rows, http=False)
+        for name, opts in (GENERATED.items() if plan.generated_requests > 0 and not plan.workload else ()):
             wl = load_workload(name, plan.seed, plan.generated_requests, opts)
             rows = sim_scenario(plan, name, wl, plan.workers, 64, 1.0)
             lines += section(f"Simulator: {name} ({', '.join(opts)}), {plan.workers} workers", rows, http=False)
         (plan.out / "report.md").write_text("\n".join(lines) + "\n")
+    http_rows: list[tuple[str, dict, dict]] = []
     if plan.http_from is not None:
         http_rows = load_http_rows(plan.http_from)
         lines += section(f"HTTP replay (from {plan.http_from})", http_rows, http=True)
-        if sim_main:
-            lines += ["### Simulator vs HTTP replay (same trace, fleet and policies)", "",
-                      *validation(sim_main, http_rows), ""]
     elif plan.http:
-        http_rows = [http_run(plan, "upper bound", trace, "upper", "none")]
+        http_rows = [http_upper_bound(plan, trace, unit) if plan.http_upper_bound
+                     else sim_upper_bound(plan, trace, unit)]
         for label, policy, a in prefixlb_rows(plan.affinities):
             if plan.http_policies and policy not in plan.http_policies:
                 continue
@@ -297,9 +380,12 @@ def run_report(plan: ReportPlan) -> str:
                     lines.append(f"- {peer} {policy}: not measured: {exc}")
         lines += section(f"HTTP replay: {plan.workers} simulated workers, time-scale {plan.time_scale:g}, "
                          f"speed-up {plan.speedup:g}", http_rows, http=True)
-        if sim_main:
-            lines += ["### Simulator vs HTTP replay (same trace, fleet and policies)", "",
-                      *validation(sim_main, http_rows), ""]
+    if http_rows and plan.sim:
+        # The simulator as the replay's router saw the fleet: every period and delay x time scale.
+        sim_http = sim_scenario(plan, f"{trace.name.split(':')[0]}-{plan.workers}w-ts{plan.time_scale:g}", trace,
+                                plan.workers, unit, plan.speedup, time_scale=plan.time_scale, control=False)
+        lines += ["### Simulator vs HTTP replay (same workload, fleet and policies; the simulator sees the "
+                  f"replay's delays at time scale {plan.time_scale:g})", "", *validation(sim_http, http_rows), ""]
     text = "\n".join(lines) + "\n"
     (plan.out / "report.md").write_text(text)
     return text
@@ -325,6 +411,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--http-policies", default="", help="only these prefixlb policies over HTTP (comma list)")
     p.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="Redis for prefixlb's KV events ('' = none)")
     p.add_argument("--http-from", default=None, help="take the HTTP rows from this earlier report directory")
+    p.add_argument("--workload", default=None,
+                   help="a workload instead of the trace: conversation, multi-turn, ... or mooncake:FILE")
+    p.add_argument("--workload-opt", action="append", default=[], help="workload option key=value (repeatable)")
+    p.add_argument("--http-upper-bound", action="store_true",
+                   help="replay the upper bound over HTTP too (the simulator's replaces it if not faithful)")
     args = p.parse_args(argv)
     plan = ReportPlan(trace=args.trace, workers=args.workers, kv_blocks=args.kv_blocks, speedup=args.speedup,
                       time_scale=args.time_scale,
@@ -334,6 +425,8 @@ def main(argv: list[str]) -> int:
                       redis=args.redis or None, out=Path(args.out),
                       http_policies=tuple(x for x in args.http_policies.split(",") if x),
                       http_from=Path(args.http_from) if args.http_from else None,
+                      workload=args.workload, workload_opts=tuple(args.workload_opt),
+                      http_upper_bound=args.http_upper_bound,
                       fleet_sizes=tuple(int(n) for n in args.fleet_sizes.split(",") if n.strip()))
     print(run_report(plan))
     print(f"written to {plan.out / 'report.md'}")

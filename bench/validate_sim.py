@@ -26,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.validate_sim", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trace", default=DEFAULT_TRACE)
+    p.add_argument("--workload", default=None, help="a workload spec instead of the trace (e.g. conversation)")
+    p.add_argument("--workload-opt", action="append", default=[], help="workload option key=value (repeatable)")
+    p.add_argument("--unit", type=int, default=512, help="the simulator's block in tokens")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--speedup", type=float, default=0.5)
@@ -36,15 +39,17 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     plan = ReportPlan(trace=args.trace, workers=args.workers, kv_blocks=args.kv_blocks, speedup=args.speedup,
                       time_scale=args.time_scale, out=Path(args.out))
-    workload = load_workload(f"mooncake:{args.trace}", 0, args.requests)
+    spec = args.workload or f"mooncake:{args.trace}"
+    workload = load_workload(spec, 0, args.requests, args.workload_opt or None)
     sim_rows, http_rows = [], []
     for policy in args.policies.split(","):
         affinity = DEFAULT_AFFINITY if get_policy(policy).uses_affinity else None
         label = f"prefixlb {policy}" + (f" a={affinity:g}" if affinity is not None else "")
-        result = simulate(workload, _fleet(plan, args.workers, 512, args.speedup, policy, affinity))
+        result = simulate(workload, _fleet(plan, args.workers, args.unit, args.speedup, policy, affinity,
+                                           time_scale=args.time_scale))
         sim_rows.append((label, summarize(result.records, fleet=list(result.meta["utilisation"])), result.meta))
         http_rows.append(http_run(plan, label, workload, "prefixlb", policy, affinity))
-    lines = [f"{args.requests} requests of {Path(args.trace).name}, {args.workers} workers, speed-up {args.speedup:g}, "
+    lines = [f"{args.requests} requests of {workload.name}, {args.workers} workers, speed-up {args.speedup:g}, "
              f"time scale {args.time_scale:g}, {args.kv_blocks} KV blocks per worker", "",
              *validation(sim_rows, http_rows)]
     text = "\n".join(lines)

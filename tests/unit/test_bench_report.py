@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 from bench.loadgen import _Stream
-from bench.routing_report import goal_checks, validation
+from bench.records import RequestRecord
+from bench.stats import summarize
+from bench.routing_report import faithfulness, goal_checks, section, validation
 
 
 def _summary(hit: float, p50: float, p99: float, imbalance: float = 1.0, errors: int = 0) -> dict:
@@ -32,8 +34,25 @@ def test_validation_lists_hit_rate_difference_in_points_and_the_p50_ratio():
     http = [("prefixlb round_robin", _summary(0.062, 500, 1000), {}), ("sglang-router cache_aware",
                                                                         _summary(0.1, 1, 1), {})]
     lines = validation(sim, http)
-    assert lines[2] == "| prefixlb round_robin | 0.050 / 0.062 | -1.2 | 0.400 / 0.500 | 0.80 |"
+    assert lines[2] == "| prefixlb round_robin | 0.050 / 0.062 | -1.2 | 0.400 / 0.500 | 0.80 | ❌ |"
     assert len(lines) == 3  # rows without a simulated twin are skipped
+    close = validation([("x", _summary(0.061, 460, 900), {})], [("x", _summary(0.062, 500, 1000), {})])
+    assert close[2].endswith("| 0.92 | ✅ |")
+
+
+def test_a_replay_whose_load_generator_or_workers_fell_behind_is_flagged_not_faithful():
+    on_time = [RequestRecord(i, 0.0, send_lag_ms=5.0) for i in range(100)]
+    late = on_time[:90] + [RequestRecord(i, 0.0, send_lag_ms=800.0) for i in range(10)]
+    assert faithfulness(on_time, 0.05) == {"send_lag_p99_s": 0.005, "worker_behind_max_s": 0.05,
+                                           "faithful": True, "reasons": []}
+    flagged = faithfulness(late, 2.0)
+    assert not flagged["faithful"]
+    assert flagged["reasons"] == ["load generator 0.80 s behind schedule (p99)",
+                                  "a simulated worker 2.00 s behind its model"]
+    done = [RequestRecord(0, 0.0, "sim-0", ttft_ms=10.0, e2e_ms=20.0, prompt_tokens=10, completion_tokens=1)]
+    rows = [("upper bound", summarize(done, fleet=["sim-0"]), {"faithfulness": flagged})]
+    text = "\n".join(section("HTTP", rows, http=True))
+    assert "upper bound ⚠" in text and "not faithful -- load generator 0.80 s behind" in text
 
 
 def test_stream_parser_takes_the_first_chunk_as_first_token_and_reads_usage_and_worker():
