@@ -1,4 +1,4 @@
-"""A logprob-judged cascade on the engine path: the real router in front of two real tiny-model
+"""A logprob-judged (and an LLM-judged) cascade on the engine path: the real router in front of two real tiny-model
 workers, the small and the large stage two ``tiny`` models drawn from different seeds
 (``prefixlb model save tiny DIR --seed N``), asked with the openai client.
 
@@ -28,7 +28,14 @@ VIRTUAL = """virtual_models:
         - model: small
           judge: {kind: logprob, threshold: 0.25, quantile: 0.1}
         - model: large
+  rated:
+    cascade:
+      stages:
+        - model: small
+          judge: {kind: llm, model: large, rubric: "Rate the answer.", threshold: 0.5, scale: 10, max_tokens: 4}
+        - model: large
 """
+PRICES = "models:\n  small: {input_per_mtok: 1, output_per_mtok: 2}\n  large: {input_per_mtok: 10, output_per_mtok: 20}\n"
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +45,7 @@ def router(tmp_path_factory):
         subprocess.run([sys.executable, "-m", "prefixlb", "model", "save", "tiny", str(tmp / f"tiny-{seed}"),
                         "--seed", str(seed)], check=True, cwd=ROOT, capture_output=True, timeout=120)
     (tmp / "virtual.yaml").write_text(VIRTUAL)
+    (tmp / "prices.yaml").write_text(PRICES)
     with processes() as procs:
         urls = []
         for name, seed in (("small", 1), ("large", 2)):
@@ -48,10 +56,13 @@ def router(tmp_path_factory):
             urls.append(procs[-1].url)
         port = free_port()
         procs.append(spawn(["router", "--port", str(port), "--worker", urls[0], "--worker", urls[1],
-                            "--virtual-models", str(tmp / "virtual.yaml")], tmp, "router", port=port))
+                            "--virtual-models", str(tmp / "virtual.yaml"), "--price-book", str(tmp / "prices.yaml"),
+                            "--admin-token", "t0ken"], tmp, "router", port=port))
         url = procs[-1].url
         wait_for(lambda: call(url + "/health").json["routable_workers"] == 2, what="2 routable workers")
-        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        client.router_url = url
+        yield client
 
 
 def _direct(client, model, prompt, **kw):
@@ -84,3 +95,20 @@ def test_an_unsure_small_answer_escalates_and_only_the_large_answer_streams(rout
     assert [(s["model"], s["outcome"]) for s in ext["stages"]] == [("small", "escalated"), ("large", "final")]
     assert ext["stages"][0]["judge"]["score"] == pytest.approx(SCORES[ESCALATED], abs=1e-3)
     assert ext["answered_by"] == "large"
+
+
+def test_an_llm_judge_is_a_fleet_model_asked_through_the_router_and_its_cost_counts(router):
+    # The tiny "large" model rates the small answer to this prompt 2 out of 10 (greedy, fixed
+    # weights): below 0.5, so the cascade escalates to the large model.
+    result = router.completions.create(model="rated", prompt=ESCALATED, max_tokens=8, temperature=0,
+                                       extra_headers={"X-Session-Id": "rated"})
+    ext = result.usage.model_extra["prefixlb"]
+    judge = ext["stages"][0]["judge"]
+    assert (judge["name"], judge["score"], judge["reason"]) == ("llm", 0.2, "below_threshold")
+    assert ext["answered_by"] == "large" and judge["cost_usd"] > 0
+    assert ext["cost_usd"] == pytest.approx(sum(s["cost_usd"] for s in ext["stages"]) + judge["cost_usd"], abs=1e-9)
+    # The judge's call is one more answer of the large model, billed to the same tenant.
+    usage = call(router.router_url + "/admin/usage", headers={"Authorization": "Bearer t0ken"}).json
+    tenant = usage["tenants"]["session:rated"]
+    assert {m: t["requests"] for m, t in tenant["models"].items()} == {"small": 1, "large": 2}
+    assert tenant["total"]["cost_usd"] == pytest.approx(ext["cost_usd"], abs=1e-9)

@@ -174,6 +174,15 @@ def test_an_escalation_streams_only_the_strong_answer_and_its_cold_then_warm_pre
     assert _metric(router, 'prefixlb_router_cascade_judge_seconds_count{judge="regex",virtual_model="smart"}') >= 2
 
 
+def test_the_ledger_bills_each_stage_to_the_requests_tenant(router):
+    headers, completion = _ask(router, "smart", QUESTIONS[2], extra_headers={"X-Session-Id": "alice"})
+    ext = completion.usage.model_extra["prefixlb"]
+    tenant = call(router + "/admin/usage", headers=ADMIN).json["tenants"]["session:alice"]
+    assert {m: t["requests"] for m, t in tenant["models"].items()} == {"weak": 1, "strong": 1}
+    assert tenant["total"]["cost_usd"] == pytest.approx(ext["cost_usd"], abs=1e-9)
+    assert tenant["models"]["strong"]["completion_tokens"] == ext["stages"][1]["completion_tokens"]
+
+
 def test_the_router_asks_for_logprobs_for_its_judge_and_strips_them(router):
     _, completion = _ask(router, "smart-lp", QUESTIONS[1])
     # The replay's distribution is a point mass (p = 1 per token): the judge accepts.
