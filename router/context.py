@@ -71,6 +71,7 @@ class RouterContext:
     virtual_models: dict[str, Any] = dataclasses.field(default_factory=dict)
     virtual_metrics: Any = None
     costs: CostAccounting = dataclasses.field(default_factory=CostAccounting)
+    scoring_session: Any = None  # aiohttp session of route classifiers and verifier judges (opened on first use)
 
     def subscribe_kv_events(self, w: Worker) -> None:
         """Read ``w``'s KV events if it publishes them (a vLLM worker added with ``kv-events``)."""
@@ -302,6 +303,8 @@ async def stop(ctx: RouterContext) -> None:
     await ctx.kv_events.close()
     if ctx.state is not None:
         await ctx.state.close(final_snapshot=True)
+    if ctx.scoring_session is not None:
+        await ctx.scoring_session.close()
     await ctx.connections.close()
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 from typing import Any, Awaitable, Callable, Mapping
 
+import aiohttp
 from aiohttp import web
 
 from protocol.openai_api import SERVER_ERROR, SERVICE_UNAVAILABLE, OpenAIError, bad_request
@@ -63,6 +64,15 @@ async def serve_virtual(request: web.Request, ctx: RouterContext, vm: RouteModel
     return await _serve_cascade(request, ctx, vm, parsed, chat, request_id, forward)
 
 
+def scoring_session(ctx: RouterContext) -> aiohttp.ClientSession:
+    """The session of classifiers and verifiers: not the workers' pool, which passes bodies
+    through undecoded (a scoring service may compress its reply) and carries no deadline of
+    its own (each scoring call has its ``timeout_s``)."""
+    if ctx.scoring_session is None or ctx.scoring_session.closed:
+        ctx.scoring_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=75.0))
+    return ctx.scoring_session
+
+
 def _unserved(ctx: RouterContext, model: str) -> bool:
     served = ctx.registry.models()
     return bool(served) and model not in served
@@ -70,7 +80,7 @@ def _unserved(ctx: RouterContext, model: str) -> bool:
 
 async def _serve_route(request: web.Request, ctx: RouterContext, vm: RouteModel, parsed: Any, chat: bool,
                        forward: Forward) -> web.StreamResponse:
-    classifier = RouteClassifier(vm.classifier, session=ctx.connections.session) if vm.classifier else None
+    classifier = RouteClassifier(vm.classifier, session=scoring_session(ctx)) if vm.classifier else None
     decision = await resolve_route(vm, parsed.body, chat, request.headers, classifier)
     ctx.virtual_metrics.route_decisions.labels(vm.name, decision.model, decision.reason).inc()
     if _unserved(ctx, decision.model):
@@ -141,7 +151,7 @@ async def _serve_cascade(request: web.Request, ctx: RouterContext, vm: CascadeMo
     cap = parse_max_escalations(request.headers.get(HEADER_MAX_ESCALATIONS))
     send = stage_sender(ctx, forward)
     book = ctx.costs.price_book
-    runner = CascadeRunner.build(vm, send, JudgeRuntime(send=send, session=ctx.connections.session,
+    runner = CascadeRunner.build(vm, send, JudgeRuntime(send=send, session=scoring_session(ctx),
                                                         price_book=book), book)
     try:
         result = await runner.run(parsed.body, chat, cap)

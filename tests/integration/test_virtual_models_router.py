@@ -8,13 +8,17 @@ headers, the usage extension, ``GET /admin/usage`` and ``/metrics`` agree.
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import csv
 import json
 import subprocess
 import sys
+import threading
 
 import openai
 import pytest
+from aiohttp import web
 
 from tests.integration.worker_client import call, is_openai_error
 from tests.support import ROOT, free_port, processes, spawn, wait_for
@@ -30,7 +34,36 @@ ADMIN = {"Authorization": "Bearer admin-s3cret"}
 PRICES = {"weak": (0.6, 0.6), "strong": (10.0, 30.0)}
 
 
-def _virtual_models(dead_url: str) -> str:
+@contextlib.contextmanager
+def classifier_service():
+    """A route classifier on loopback, served from a thread: ``{"prompt"} -> {"score"}``, high for
+    questions about bolts."""
+    async def score(request: web.Request) -> web.Response:
+        body = await request.json()
+        return web.json_response({"score": 0.9 if "bolts" in body["prompt"] else 0.1})
+
+    port, started, loop = free_port(), threading.Event(), asyncio.new_event_loop()
+
+    async def serve() -> web.AppRunner:
+        app = web.Application()
+        app.router.add_post("/score", score)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        return runner
+
+    runner = loop.run_until_complete(serve())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{port}/score"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+def _virtual_models(dead_url: str, classifier_url: str) -> str:
     fmt = '{kind: regex, pattern: "^#### -?[0-9][0-9,]*$"}'
     return f"""
 virtual_models:
@@ -64,18 +97,26 @@ virtual_models:
       rules:
         - model: strong
           when: {{header: {{name: x-tier, equals: premium}}}}
+  auto:
+    route:
+      default: weak
+      classifier: {{url: "{classifier_url}", threshold: 0.5, above: strong, timeout_s: 2}}
 """
 
 
 @pytest.fixture(scope="module")
 def router(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("virtual-router")
+    with classifier_service() as classifier:
+        yield from _router(tmp_path_factory.mktemp("virtual-router"), classifier)
+
+
+def _router(tmp, classifier):
     answers = tmp / "answers.csv"
     with open(answers, "w", newline="", encoding="utf-8") as fh:
         writer = csv.writer(fh)
         writer.writerow(["prompt", "weak_response", "strong_response"])
         writer.writerows([q, WEAK[q], STRONG[q]] for q in QUESTIONS)
-    (tmp / "virtual.yaml").write_text(_virtual_models(f"http://127.0.0.1:{free_port()}/verify"))
+    (tmp / "virtual.yaml").write_text(_virtual_models(f"http://127.0.0.1:{free_port()}/verify", classifier))
     (tmp / "prices.yaml").write_text("models:\n" + "".join(
         f"  {m}: {{input_per_mtok: {i}, output_per_mtok: {o}}}\n" for m, (i, o) in PRICES.items()))
     with processes() as procs:
@@ -119,7 +160,7 @@ def _metric(url: str, line_start: str) -> float:
 
 def test_models_lists_the_virtual_models_beside_the_real_ones(router):
     models = {m.id: m for m in _client(router).models.list().data}
-    assert set(models) == {"weak", "strong", "smart", "smart-lp", "strict", "lenient", "tiered"}
+    assert set(models) == {"weak", "strong", "smart", "smart-lp", "strict", "lenient", "tiered", "auto"}
     assert models["smart"].model_extra["prefixlb"] == {"kind": "cascade", "stages": ["weak", "strong"],
                                                        "max_escalations": 1}
     assert models["tiered"].model_extra["prefixlb"] == {"kind": "route", "models": ["strong", "weak"]}
@@ -234,6 +275,15 @@ def test_a_route_sends_the_whole_request_to_the_model_its_rules_choose(router):
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == WEAK[QUESTIONS[1]]
     assert _metric(router, 'prefixlb_router_route_decisions_total{model="weak",reason="default",'
                            'virtual_model="tiered"}') == 1
+
+
+def test_a_route_asks_its_classifier_when_no_rule_decides(router):
+    headers, hard = _ask(router, "auto", QUESTIONS[1])
+    assert hard.choices[0].message.content == STRONG[QUESTIONS[1]]
+    assert (headers["x-prefixlb-route-decision"], headers["x-prefixlb-route-score"]) == ("classifier:above", "0.9")
+    headers, easy = _ask(router, "auto", QUESTIONS[0])
+    assert easy.choices[0].message.content == WEAK[QUESTIONS[0]]
+    assert headers["x-prefixlb-route-decision"] == "classifier:below"
 
 
 def test_the_admin_api_replaces_virtual_models_and_refuses_a_bad_set(router):
