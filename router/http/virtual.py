@@ -9,8 +9,8 @@ model makes is routed, logged and priced like a plain request.
   default); the request goes there with ``model`` rewritten, streamed straight through when the
   client streams. Headers: ``X-Prefixlb-Virtual-Model``, ``X-Prefixlb-Answered-By``,
   ``X-Prefixlb-Route-Decision`` (``rule:<i>``, ``classifier:above|below``,
-  ``classifier_error:<why>``, ``default``) and ``X-Prefixlb-Route-Score`` when the classifier
-  scored it.
+  ``classifier_error:<why>``, ``default``), ``X-Prefixlb-Route-Score`` when the classifier
+  scored it, and ``X-Prefixlb-Cost-USD`` on a priced non-streamed answer.
 - ``cascade``: :class:`~router.virtual_models.cascade.CascadeRunner` with a ``send`` that
   forwards each stage's (non-streamed) request; the accepted answer is returned whole, or, to a
   streaming client, as SSE events once judged (no byte of a rejected answer is ever written:
@@ -27,6 +27,7 @@ from aiohttp import web
 
 from protocol.openai_api import SERVER_ERROR, SERVICE_UNAVAILABLE, OpenAIError, bad_request
 from router.context import RouterContext
+from router.cost.pricing import usage_from_openai
 from router.http.proxy import HEADER_WORKER
 from router.virtual_models.answer import StageAnswer, StageError
 from router.virtual_models.cascade import CascadeFailed, CascadeRequestError, CascadeRunner
@@ -40,6 +41,7 @@ HEADER_ANSWERED_BY = "X-Prefixlb-Answered-By"
 HEADER_ROUTE_DECISION = "X-Prefixlb-Route-Decision"
 HEADER_ROUTE_SCORE = "X-Prefixlb-Route-Score"
 HEADER_MAX_ESCALATIONS = "X-Prefixlb-Max-Escalations"
+HEADER_COST = "X-Prefixlb-Cost-USD"
 
 Forward = Callable[[dict, bool, bool, bool, Mapping[str, str]], Awaitable[web.StreamResponse]]
 """``await forward(body, chat, stream, include_usage, response_headers)``: the answer of
@@ -94,7 +96,24 @@ async def _serve_route(request: web.Request, ctx: RouterContext, vm: RouteModel,
     response = await forward(body, chat, parsed.stream, parsed.include_usage, headers)
     if response.status == 200:
         ctx.virtual_metrics.answered.labels(vm.name, decision.model).inc()
+        if isinstance(response, web.Response):  # a whole answer, not yet sent: its cost can still be a header
+            cost = _answer_cost(ctx, decision.model, response.body)
+            if cost is not None:
+                response.headers[HEADER_COST] = f"{cost:.9f}"
+                ctx.virtual_metrics.cost.labels(vm.name).inc(cost)
     return response
+
+
+def _answer_cost(ctx: RouterContext, model: str, raw: Any) -> float | None:
+    """The price of a JSON answer's ``usage`` (None: no usage, or a model the book does not list)."""
+    try:
+        usage = json.loads(raw).get("usage") if isinstance(raw, (bytes, bytearray)) else None
+    except (ValueError, AttributeError):
+        return None
+    if not isinstance(usage, Mapping):
+        return None
+    priced = ctx.costs.price(model, usage_from_openai(usage))
+    return None if priced is None else priced.total_usd
 
 
 def parse_max_escalations(value: str | None) -> int | None:

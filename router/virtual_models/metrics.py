@@ -40,7 +40,8 @@ class VirtualModelMetrics:
             ["virtual_model", "code"], registry=registry)
         self.cost = Counter(
             "prefixlb_router_virtual_model_cost_usd_total",
-            "Cost of the virtual models' requests in USD: every stage that ran, plus the judges",
+            "Cost of the virtual models' requests in USD: a cascade's stages and judges, a route's "
+            "non-streamed answers (its streams are in the ledger under their real model)",
             ["virtual_model"], registry=registry)
         self.route_decisions = Counter(
             "prefixlb_router_route_decisions_total",

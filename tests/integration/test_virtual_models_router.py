@@ -270,6 +270,10 @@ def test_a_route_sends_the_whole_request_to_the_model_its_rules_choose(router):
     headers, premium = _ask(router, "tiered", QUESTIONS[1], extra_headers={"X-Tier": "premium"})
     assert premium.choices[0].message.content == STRONG[QUESTIONS[1]] and premium.model == "strong"
     assert (headers["x-prefixlb-answered-by"], headers["x-prefixlb-route-decision"]) == ("strong", "rule:0")
+    usage = premium.usage
+    assert float(headers["x-prefixlb-cost-usd"]) == pytest.approx(_cost(
+        {"model": "strong", "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+         "cached_tokens": usage.prompt_tokens_details.cached_tokens}), abs=1e-9)
     stream = _client(router).chat.completions.create(
         model="tiered", messages=[{"role": "user", "content": QUESTIONS[1]}], stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == WEAK[QUESTIONS[1]]
