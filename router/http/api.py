@@ -3,7 +3,9 @@
 
 Each inference request is read within the body limit, validated by ``protocol.openai_api``
 (the same rules the workers apply), rendered and hashed (``router/routing/prompt.py``), and handed to
-the proxy. Errors are raised as ``OpenAIError`` anywhere below and turned into OpenAI-shaped
+the proxy (:func:`forward`, which also records the answer's usage in the cost ledger). A request
+naming a virtual model goes to ``router/http/virtual.py``, whose real calls all take
+:func:`forward`. Errors are raised as ``OpenAIError`` anywhere below and turned into OpenAI-shaped
 JSON once, by ``protocol/http_errors.py``'s middleware (the worker's too); API keys on ``/v1/*``
 are ``protocol/api_keys.py``'s (see :func:`middlewares`).
 """
