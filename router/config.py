@@ -146,6 +146,10 @@ class RouterConfig:
                                      minimum=0)
     prewarm_timeout: float = setting(30.0, "seconds pre-warming a worker may take before it gets "
                                      "traffic anyway", minimum=0.1)
+    virtual_models: str | None = setting(None, "YAML file of virtual models (route, cascade) the router serves "
+                                         'beside the workers\' models; see docs/cost-and-cascades.md, "Virtual models"')
+    price_book: str | None = setting(None, "YAML price book: every answer is priced (cost headers, /admin/usage, "
+                                     "prefixlb_router_cost_usd_total); none: tokens are counted, not priced")
     log_level: str = setting("info", "log level", choices=("debug", "info", "warning", "error"))
 
     def policy_config(self) -> PolicyConfig:
@@ -187,6 +191,28 @@ def check_router_config(cfg: RouterConfig) -> None:
         model, sep, directory = entry.partition("=")
         if not sep or not model or not directory:
             raise SettingsError(f"--tokenizer {entry!r}: expected MODEL=DIR")
+    load_virtual_model_files(cfg)
+
+
+def load_virtual_model_files(cfg: RouterConfig) -> tuple[dict, "PriceBook | None"]:
+    """The virtual models and the price book ``cfg`` names, validated (SettingsError naming the
+    file and the bad key)."""
+    from router.cost.price_book import PriceBook, PriceBookError, load_price_book
+    from router.virtual_models.config import VirtualModelError, load_virtual_models
+
+    book: PriceBook | None = None
+    virtual: dict = {}
+    try:
+        if cfg.price_book:
+            book = load_price_book(cfg.price_book)
+    except PriceBookError as exc:
+        raise SettingsError(f"--price-book {cfg.price_book}: {exc}") from None
+    try:
+        if cfg.virtual_models:
+            virtual = load_virtual_models(cfg.virtual_models)
+    except VirtualModelError as exc:
+        raise SettingsError(f"--virtual-models {cfg.virtual_models}: {exc}") from None
+    return virtual, book
 
 
 def load_router_config(argv: Sequence[str] | None = None,

@@ -22,7 +22,8 @@ from router.http.admission import Admission
 from router.routing.balancer import Balancer
 from router.fleet.breaker import BreakerConfig
 from router.fleet.connections import WorkerConnections
-from router.config import RouterConfig
+from router.config import RouterConfig, load_virtual_model_files
+from router.cost.accounting import CostAccounting
 from router.fleet.backends import parse_worker_spec
 from router.fleet.health import HealthChecker
 from router.fleet.kv_subscriber import KVEventSubscriber
@@ -34,6 +35,7 @@ from router.http.proxy import Proxy
 from router.fleet.registry import ROUTABLE, STATES, InvalidWorkerURL, Worker, WorkerRegistry, worker_id_of
 from router.state import RedisState
 from router.fleet.worker_url import WorkerURLPolicy
+from router.virtual_models.metrics import VirtualModelMetrics
 
 log = logging.getLogger("prefixlb.router")
 
@@ -64,6 +66,12 @@ class RouterContext:
     discovery: Any = None
     maintenance: asyncio.Task | None = None
     started: bool = False
+    # Virtual models (router/virtual_models/): name -> RouteModel | CascadeModel, replaced whole
+    # by PUT /admin/virtual-models; their metrics; the price book and ledger every answer feeds.
+    virtual_models: dict[str, Any] = dataclasses.field(default_factory=dict)
+    virtual_metrics: Any = None
+    costs: CostAccounting = dataclasses.field(default_factory=CostAccounting)
+    scoring_session: Any = None  # aiohttp session of route classifiers and verifier judges (opened on first use)
 
     def subscribe_kv_events(self, w: Worker) -> None:
         """Read ``w``'s KV events if it publishes them (a vLLM worker added with ``kv-events``)."""
@@ -251,6 +259,10 @@ def build_context(cfg: RouterConfig) -> RouterContext:
                         health=health, prewarmer=prewarmer, connections=connections,
                         kv_events=KVEventSubscriber(balancer.precise), tokenizers=tokenizers, state=state)
     metrics.add_state(ctx.state_metrics)
+    ctx.virtual_models, book = load_virtual_model_files(cfg)
+    ctx.costs = CostAccounting(book)
+    ctx.virtual_metrics = VirtualModelMetrics(metrics.registry)
+    metrics.add_state(ctx.costs.families)
     registry.on_added.append(ctx.subscribe_kv_events)
     registry.on_removed.append(ctx.unsubscribe_kv_events)
     for text in cfg.workers:
@@ -291,6 +303,8 @@ async def stop(ctx: RouterContext) -> None:
     await ctx.kv_events.close()
     if ctx.state is not None:
         await ctx.state.close(final_snapshot=True)
+    if ctx.scoring_session is not None:
+        await ctx.scoring_session.close()
     await ctx.connections.close()
 
 

@@ -1,7 +1,8 @@
 """Judges applied to the recorded weak answers directly (no HTTP): each question's score, the
 curve, the threshold chosen on the tuning half, and every policy's numbers on the held-out
-half. ``prefixlb bench cascade`` writes them; the HTTP run over the router (issue 16, phase B)
-must reproduce them, since every piece of the replay is deterministic.
+half. ``prefixlb bench cascade --offline`` writes them; the HTTP run over the router
+(``http_run``) reproduces them, since every piece of the replay is deterministic (its costs
+differ only by the cache hits the router's fleet really gets).
 
 Costs are what the recorded-answer workers report: the prompt is BOS plus the chat-rendered
 question in bytes (the simulated worker's byte tokenizer), the completion is the answer's

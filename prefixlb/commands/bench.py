@@ -93,19 +93,27 @@ def _cascade(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="prefixlb bench cascade",
         description="Cascade judges vs always-weak, always-strong and random routing on recorded answers: "
-                    "thresholds chosen on one half, reported on the other (offline: the judges read the "
-                    "recorded answers directly; the run over the router comes with its wiring).")
+                    "thresholds chosen on one half, reported on the other. By default over HTTP: the real router "
+                    "and its cascade virtual models in front of two recorded-answer simulated workers; "
+                    "--offline: the judges read the recorded answers directly (seconds).")
     parser.add_argument("--dataset", required=True, help="responses CSV (RouteLLM layout)")
     parser.add_argument("--out", default="runs/cascade", help="output directory")
     parser.add_argument("--price-book", default=None, help="YAML price book naming both models "
                                                            "(default: 2024 list prices of the GSM8K models)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the 50/50 split")
+    parser.add_argument("--offline", action="store_true", help="no router, no HTTP: apply the judges to the "
+                                                               "recorded answers directly")
     args = parser.parse_args(argv)
     try:
         book = load_price_book(args.price_book) if args.price_book else GSM8K_BOOK
-        summary = run_offline(args.dataset, book, args.seed)
+        if args.offline:
+            summary = run_offline(args.dataset, book, args.seed)
+        else:
+            from bench.cascade_eval.http_run import run_http
+
+            summary = run_http(args.dataset, book, args.seed, args.out)
         write_cascade_report(args.out, summary)
-    except (DatasetError, PriceBookError, ValueError, OSError) as exc:
+    except (DatasetError, PriceBookError, ValueError, OSError, RuntimeError) as exc:
         print(f"prefixlb bench cascade: {exc}", file=sys.stderr)
         return 2
     print(json.dumps({name: {k: round(e[k], 6) for k in ("accuracy", "strong_share", "cost")}

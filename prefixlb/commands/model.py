@@ -1,6 +1,7 @@
 """``prefixlb model``: save a preset as a Hugging Face checkpoint, or describe a model.
 
     prefixlb model save tiny DIR      # DIR/config.json + model.safetensors (transformers loads it)
+    prefixlb model save tiny DIR --seed 7   # another model of the tiny shape
     prefixlb model info tiny|small|DIR
 """
 from __future__ import annotations
@@ -18,6 +19,9 @@ def _parser() -> argparse.ArgumentParser:
     save.add_argument("preset", help="preset name: tiny or small")
     save.add_argument("directory", help="output directory (created if missing)")
     save.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    save.add_argument("--seed", type=int, default=None,
+                      help="draw the weights from this seed instead of the preset's (another model of the same "
+                           "shape, e.g. the two stages of a test cascade)")
     info = sub.add_parser("info", help="print a model's configuration and parameter count")
     info.add_argument("model", help="preset name or checkpoint directory")
     return parser
@@ -35,8 +39,9 @@ def main(argv: list[str]) -> int:
         if args.action == "save":
             if args.preset not in PRESETS:
                 raise ModelLoadError(f"unknown preset {args.preset!r}; presets: {', '.join(PRESETS)}")
-            path = save_pretrained(build_preset(args.preset, torch_dtype(args.dtype)), args.directory)
-            print(f"saved preset={args.preset} dtype={args.dtype} path={path}")
+            path = save_pretrained(build_preset(args.preset, torch_dtype(args.dtype), seed=args.seed), args.directory)
+            print(f"saved preset={args.preset} dtype={args.dtype} seed={args.seed if args.seed is not None else 'preset'} "
+                  f"path={path}")
         else:
             config = load_model_config(args.model)
             data = config.to_hf_dict()

@@ -1,6 +1,6 @@
 """UsageLedger: running totals of tokens and money, per model and per tenant.
 
-The router records every priced response here (phase B of issue 16 wires it into the proxy);
+The router records every answer it forwards here (``router/cost/accounting.py``);
 ``GET /admin/usage`` serves :meth:`UsageLedger.snapshot` and the metrics read
 :func:`router.cost.metrics.ledger_families`. A tenant is who pays: the client's API key (as a
 digest, never the key itself) or its session key. The tenant table is bounded: beyond

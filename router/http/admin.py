@@ -13,6 +13,9 @@ POST     /admin/workers/{id}/prewarm     ``{"top": K}``: send it the K hottest p
 GET      /admin/config                   every setting (secrets masked) + the runtime ones
 PUT      /admin/config                   ``{"affinity": 0.6, "policy": "least_load"}``
 GET      /admin/index                    prefix-index size and counters
+GET      /admin/usage                    tokens, cost and no-cache cost per model and tenant
+GET      /admin/virtual-models           the virtual models served, and the real models behind them
+PUT      /admin/virtual-models           ``{name: {route: ...} | {cascade: ...}}``: replace them all
 =======  ==============================  ==================================================
 
 Authentication: ``Authorization: Bearer <token>`` compared in constant time with
@@ -39,6 +42,8 @@ from router.http.api import CONTEXT, Handler
 from router.context import ConfigError, RouterContext
 from router.fleet.backends import InvalidWorkerSpec, worker_spec
 from router.fleet.registry import InvalidWorkerURL
+from router.http.virtual import describe_virtual
+from router.virtual_models.config import VirtualModelError, parse_virtual_models
 
 log = logging.getLogger("prefixlb.router.admin")
 
@@ -198,6 +203,34 @@ async def index_stats(request: web.Request) -> web.Response:
                               "stream_id": ctx.state.last_id if ctx.state else None})
 
 
+async def usage(request: web.Request) -> web.Response:
+    """``GET /admin/usage``: the ledger (``router/cost/ledger.py``) with the price book's name."""
+    return web.json_response(request.config_dict[CONTEXT].costs.snapshot())
+
+
+def _virtual_view(ctx: RouterContext) -> dict[str, Any]:
+    return {"virtual_models": {name: describe_virtual(vm) for name, vm in sorted(ctx.virtual_models.items())}}
+
+
+async def get_virtual_models(request: web.Request) -> web.Response:
+    """``GET /admin/virtual-models``."""
+    return web.json_response(_virtual_view(request.config_dict[CONTEXT]))
+
+
+async def set_virtual_models(request: web.Request) -> web.Response:
+    """``PUT /admin/virtual-models``: validate the whole new set (400 naming the bad key, and
+    nothing changes), then serve it. Per router: repeat it on every router."""
+    ctx = request.config_dict[CONTEXT]
+    body = await _json(request)
+    try:
+        models = parse_virtual_models(body)
+    except VirtualModelError as exc:
+        raise _error(400, str(exc), "invalid_request_error", "invalid_virtual_models") from None
+    ctx.virtual_models = models
+    log.info("event=virtual_models_replaced models=%s", ",".join(sorted(models)) or "-")
+    return web.json_response(_virtual_view(ctx))
+
+
 def admin_app() -> web.Application:
     """The /admin/ sub-application (its own auth middleware, so inference requests skip it)."""
     app = web.Application(middlewares=[admin_auth])
@@ -209,4 +242,7 @@ def admin_app() -> web.Application:
     app.router.add_get("/config", get_config)
     app.router.add_put("/config", set_config)
     app.router.add_get("/index", index_stats)
+    app.router.add_get("/usage", usage)
+    app.router.add_get("/virtual-models", get_virtual_models)
+    app.router.add_put("/virtual-models", set_virtual_models)
     return app

@@ -3,7 +3,9 @@
 
 Each inference request is read within the body limit, validated by ``protocol.openai_api``
 (the same rules the workers apply), rendered and hashed (``router/routing/prompt.py``), and handed to
-the proxy. Errors are raised as ``OpenAIError`` anywhere below and turned into OpenAI-shaped
+the proxy (:func:`forward`, which also records the answer's usage in the cost ledger). A request
+naming a virtual model goes to ``router/http/virtual.py``, whose real calls all take
+:func:`forward`. Errors are raised as ``OpenAIError`` anywhere below and turned into OpenAI-shaped
 JSON once, by ``protocol/http_errors.py``'s middleware (the worker's too); API keys on ``/v1/*``
 are ``protocol/api_keys.py``'s (see :func:`middlewares`).
 """
@@ -15,21 +17,23 @@ import logging
 import math
 import time
 import uuid
-from typing import Awaitable, Callable, Sequence
+from typing import Awaitable, Callable, Mapping, Sequence
 
 from aiohttp import web
 
 from protocol import RenderError
-from protocol.api_keys import api_key_middleware
+from protocol.api_keys import api_key_middleware, bearer_token
 from protocol.http_errors import error_middleware
 from protocol.openai_api import OpenAIError, RequestLimits, bad_request, model_not_found, parse_request
 from protocol.openai_body import decode_off_loop, read_limited_body
 from protocol.version import version
 from router.context import RouterContext
+from router.cost.ledger import tenant_of
 from router.metrics import CONTENT_TYPE
 from router.routing.prompt import prompt_key, session_key_of
 from router.http.proxy import RETRY_AFTER_S, ProxyRequest
 from router.http.sse import usage_numbers
+from router.http.virtual import describe_virtual, serve_virtual
 
 CONTEXT = web.AppKey("context", RouterContext)
 access_log = logging.getLogger("prefixlb.router.access")
@@ -96,10 +100,33 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
     cfg = ctx.config
     raw = await read_body(request, cfg.max_body_bytes, cfg.body_timeout)
     parsed = await decode_off_loop(raw, parse_request, chat, RequestLimits(max_body_bytes=cfg.max_body_bytes))
-    body = parsed.body
+    # The client's request id, or one made here: returned, passed to the worker, in the access log.
+    request_id = forwardable(HEADER_REQUEST_ID, request.headers.get(HEADER_REQUEST_ID) or uuid.uuid4().hex)
+    virtual = ctx.virtual_models.get(parsed.model)
+    if virtual is not None:
+        async def forward_to(body: dict, is_chat: bool, stream: bool, include_usage: bool,
+                             response_headers: Mapping[str, str]) -> web.StreamResponse:
+            data = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+            return await forward(request, data, body, is_chat, stream=stream, include_usage=include_usage,
+                                 request_id=request_id, response_headers=response_headers)
+
+        return await serve_virtual(request, ctx, virtual, parsed, chat, request_id, forward_to)
     served = ctx.registry.models()
     if served and parsed.model not in served:
-        raise model_not_found(parsed.model, served)
+        raise model_not_found(parsed.model, [*served, *ctx.virtual_models])
+    return await forward(request, raw, parsed.body, chat, stream=parsed.stream, include_usage=parsed.include_usage,
+                         request_id=request_id)
+
+
+async def forward(request: web.Request, raw: bytes, body: dict, chat: bool, *, stream: bool, include_usage: bool,
+                  request_id: str, response_headers: Mapping[str, str] | None = None) -> web.StreamResponse:
+    """Route one validated request (``raw`` is ``body`` as the worker gets it) to a worker of its
+    model through the cache-aware proxy, answer with its response, log it and record its usage."""
+    ctx = request.app[CONTEXT]
+    cfg = ctx.config
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    model = body.get("model") if isinstance(body.get("model"), str) else ""
+    served = ctx.registry.models()
     session = session_key_of(request.headers, body, cfg.session_headers, cfg.session_fields)
     try:
         prompt = prompt_key(body, chat, cfg.chunk_size, cfg.ring_key_chunks, session)
@@ -109,12 +136,10 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
         prompt.tokens = ctx.tokenizers.prompt_tokens(body, chat)
     affinity = parse_affinity(request.headers.get(HEADER_AFFINITY))
     if ctx.prewarmer.top:
-        ctx.prewarmer.hot.record(prompt.ring_key, request.path, parsed.model, raw, time.time())
+        ctx.prewarmer.hot.record(prompt.ring_key, path, model, raw, time.time())
     upstream_body = raw
-    if parsed.stream and not parsed.include_usage:
+    if stream and not include_usage:
         upstream_body = with_include_usage(raw, body)
-    # The client's request id, or one made here: returned, passed to the worker, in the access log.
-    request_id = forwardable(HEADER_REQUEST_ID, request.headers.get(HEADER_REQUEST_ID) or uuid.uuid4().hex)
     headers = {"Content-Type": "application/json", HEADER_REQUEST_ID: request_id}
     for name in (*FORWARDED_HEADERS, *cfg.session_headers):
         value = request.headers.get(name)
@@ -124,9 +149,10 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
         headers["Authorization"] = f"Bearer {cfg.worker_api_key}"
     elif cfg.api_keys:
         headers.pop("Authorization", None)  # the client's key is for this router, not the workers
-    preq = ProxyRequest(path=request.path, body=upstream_body, prompt=prompt, stream=parsed.stream,
-                        client_wants_usage=parsed.include_usage, affinity=affinity, headers=headers,
-                        exclude=ctx.registry.excluded_for(parsed.model), request_id=request_id)
+    preq = ProxyRequest(path=path, body=upstream_body, prompt=prompt, stream=stream,
+                        client_wants_usage=include_usage, affinity=affinity, headers=headers,
+                        exclude=ctx.registry.excluded_for(model), request_id=request_id,
+                        response_headers=response_headers or {})
     started = time.perf_counter()
     status = 500
     try:
@@ -141,16 +167,25 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
         raise
     finally:
         # a model no worker serves is not a label: clients must not grow the metric's series
-        _access(ctx, preq, parsed.model, parsed.model if parsed.model in served else "unknown", status,
-                time.perf_counter() - started)
+        _access(ctx, preq, model, model if model in served else "unknown", status,
+                time.perf_counter() - started, tenant_of_request(request, cfg.api_keys, session))
+
+
+def tenant_of_request(request: web.Request, api_keys: Sequence[str], session: str | None) -> str:
+    """Who a request is billed to: its API key (a digest) when the router checks keys, else its
+    session key (``router.cost.ledger.tenant_of``)."""
+    key = bearer_token(request.headers.get("Authorization")) if api_keys else None
+    return tenant_of(key.decode("utf-8", "surrogatepass") if key else None, session)
 
 
 def _access(ctx: RouterContext, preq: ProxyRequest, model: str, label: str, status: int,
-            duration_s: float) -> None:
-    """One access-log line per request, and the router's own latency histograms (by model: they
-    hold for every kind of backend, vLLM's included)."""
+            duration_s: float, tenant: str) -> None:
+    """One access-log line per request, the router's own latency histograms (by model: they
+    hold for every kind of backend, vLLM's included), and the answer's usage in the ledger."""
     a = preq.access
     usage = usage_numbers(a.booking.usage) if a.booking is not None else None
+    if status == 200 and a.booking is not None and a.booking.usage is not None:
+        ctx.costs.record(model, tenant, a.booking.usage)
     ctx.metrics.observe_request(label, a.ttfb_s, duration_s)
     access_log.info("event=access request_id=%s model=%s path=%s stream=%s status=%d worker=%s reason=%s "
                     "attempts=%d ttfb_ms=%s duration_ms=%.1f prompt_tokens=%s cached_tokens=%s "
@@ -171,9 +206,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def models(request: web.Request) -> web.Response:
-    """``GET /v1/models``: the union of the healthy workers' models."""
+    """``GET /v1/models``: the union of the healthy workers' models, then the router's virtual
+    models (``route`` / ``cascade``, with the real models they resolve to)."""
     ctx = request.app[CONTEXT]
-    data = [{"id": m, "object": "model", "created": 0, "owned_by": "prefixlb"} for m in ctx.registry.models()]
+    data = [{"id": m, "object": "model", "created": 0, "owned_by": "prefixlb"} for m in ctx.registry.models()
+            if m not in ctx.virtual_models]
+    data += [{"id": name, "object": "model", "created": 0, "owned_by": "prefixlb", "prefixlb": describe_virtual(vm)}
+             for name, vm in sorted(ctx.virtual_models.items())]
     return web.json_response({"object": "list", "data": data})
 
 

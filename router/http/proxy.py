@@ -87,6 +87,7 @@ class ProxyRequest:
     headers: Mapping[str, str] = field(default_factory=dict)
     exclude: frozenset[str] = frozenset()
     request_id: str = ""
+    response_headers: Mapping[str, str] = field(default_factory=dict)  # added to the answer (a virtual model's)
     access: "AccessRecord" = field(default_factory=lambda: AccessRecord())
 
 
@@ -260,7 +261,7 @@ class Proxy:
                     access.ttfb_s, access.booking = loop.time() - arrived, booking
                     if preq.stream and upstream.status == 200:
                         return await self._stream(request, preq, booking, upstream, first)
-                    return self._complete(booking, upstream, first, preq.request_id)
+                    return self._complete(booking, upstream, first, preq.request_id, preq.response_headers)
             self._attempt_failed(worker_id, failure, attempts)
             excluded.add(worker_id)
 
@@ -345,8 +346,9 @@ class Proxy:
         return upstream, first
 
     def _headers(self, booking: BookedAttempt, upstream: aiohttp.ClientResponse,
-                 request_id: str = "") -> dict[str, str]:
+                 request_id: str = "", extra: Mapping[str, str] | None = None) -> dict[str, str]:
         headers = {name: upstream.headers[name] for name in PASS_BACK if name in upstream.headers}
+        headers.update(extra or {})
         if request_id:
             headers["X-Request-Id"] = request_id
         d = booking.decision
@@ -356,14 +358,14 @@ class Proxy:
         return headers
 
     def _complete(self, booking: BookedAttempt, upstream: aiohttp.ClientResponse, data: bytes,
-                  request_id: str = "") -> web.Response:
+                  request_id: str = "", extra_headers: Mapping[str, str] | None = None) -> web.Response:
         try:
             booking.first_byte()
             if upstream.status == 200:
                 booking.usage = _json_usage(data)
                 self.registry.request_ok(booking.decision.worker_id, time.time())
             return web.Response(body=data, status=upstream.status,
-                                headers=self._headers(booking, upstream, request_id))
+                                headers=self._headers(booking, upstream, request_id, extra_headers))
         finally:
             upstream.release()
 
@@ -372,7 +374,8 @@ class Proxy:
         worker_id = booking.decision.worker_id
         booking.first_byte()
         tap = UsageTap(strip=not preq.client_wants_usage)
-        response = web.StreamResponse(status=200, headers=self._headers(booking, upstream, preq.request_id))
+        response = web.StreamResponse(status=200, headers=self._headers(booking, upstream, preq.request_id,
+                                                                        preq.response_headers))
         completed = False
         try:
             await response.prepare(request)

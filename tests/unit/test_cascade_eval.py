@@ -144,14 +144,14 @@ async def test_the_http_verifier_serves_the_offline_judges_score():
     assert any(arithmetic_score(q.weak_answer) < 1 for q in sample)
 
 
-def test_prefixlb_bench_cascade_writes_summary_report_and_curve(tmp_path, capsys):
+def test_prefixlb_bench_cascade_offline_writes_summary_report_and_curve(tmp_path, capsys):
     rows = [_row(i, i % 3 != 0, i % 5 != 0, "#### 1" if i % 2 == 0 else "9 * 2 = 19") for i in range(20)]
     data = _write(tmp_path / "d.csv", rows)
     book = tmp_path / "book.yaml"
     book.write_text("models:\n  small: {input_per_mtok: 1, output_per_mtok: 1}\n"
                     "  big: {input_per_mtok: 20, output_per_mtok: 20}\n")
     done = subprocess.run([sys.executable, "-m", "prefixlb", "bench", "cascade", "--dataset", str(data),
-                           "--price-book", str(book), "--out", str(tmp_path / "out")],
+                           "--price-book", str(book), "--out", str(tmp_path / "out"), "--offline"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     summary = json.loads((tmp_path / "out/summary.json").read_text())

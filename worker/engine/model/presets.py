@@ -49,10 +49,12 @@ def preset_config(name: str) -> ModelConfig:
 
 
 @torch.no_grad()
-def build_preset(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LlamaForCausalLM:
-    """The preset ``name`` with its deterministic weights (same seed -> bit-identical weights)."""
+def build_preset(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                 seed: int | None = None) -> LlamaForCausalLM:
+    """The preset ``name`` with its deterministic weights (same seed -> bit-identical weights);
+    ``seed`` draws another model of the same shape (default: the preset's own seed)."""
     config = preset_config(name)
-    gen = torch.Generator().manual_seed(PRESET_SEEDS[name])
+    gen = torch.Generator().manual_seed(PRESET_SEEDS[name] if seed is None else seed)
     model = LlamaForCausalLM(config)
     for pname, param in model.named_parameters():
         if pname.endswith("norm.weight") or "layernorm" in pname:
