@@ -144,6 +144,7 @@ class EngineStats:
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "prefill_tokens_per_s": self.prefill_tokens_per_s, "decode_step_s": self.decode_step_s,
             **(self.lora.load_report_fields() if self.lora is not None else {}),
+            **({"kv_tier_load_tokens_per_s": self.kv_tier.load_tokens_per_s} if self.kv_tier is not None else {}),
         }
 
 

@@ -65,6 +65,7 @@ class KVTierStats:
 
     policy: str
     total_blocks: int
+    block_size: int
     stored_blocks: int
     block_bytes: int
     load_bytes_per_s: float
@@ -74,6 +75,14 @@ class KVTierStats:
     @property
     def usage(self) -> float:
         return self.stored_blocks / self.total_blocks
+
+    @property
+    def load_tokens_per_s(self) -> float:
+        """Tokens of KV loaded per second at the current bandwidth (what the router credits a
+        ``cpu`` hit with); 0 when the block size is unknown."""
+        if self.block_bytes <= 0 or self.block_size <= 0:
+            return 0.0
+        return min(self.load_bytes_per_s * self.block_size / self.block_bytes, 1e10)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -248,7 +257,7 @@ class KVTier:
     def stats(self) -> KVTierStats:
         """A snapshot (counters copied)."""
         c = self.counters
-        return KVTierStats(policy=self.policy, total_blocks=self.host.num_blocks,
+        return KVTierStats(policy=self.policy, total_blocks=self.host.num_blocks, block_size=self.block_size,
                            stored_blocks=self.host.num_stored, block_bytes=self.block_bytes,
                            load_bytes_per_s=self.load_bytes_per_s, load_measured=self.load_measured,
                            counters=TierCounters(**asdict(c)))
