@@ -208,6 +208,11 @@ class KVTier:
         self.counters.recomputed_tokens += num_blocks * self.block_size
 
     # ---- the step ---------------------------------------------------------------------------
+    @property
+    def has_queued_copies(self) -> bool:
+        """Whether copies wait for the next step."""
+        return bool(self._stores or self._loads)
+
     def take_copies(self) -> TierCopies:
         """The copies queued since the last step, for the step about to run."""
         if self._in_flight is not None:
