@@ -42,8 +42,9 @@ class SimSettings:
     affinity: float = setting(DEFAULT_AFFINITY, "cache_aware affinity strength", minimum=0.0, maximum=1.0)
     report_interval: float = setting(0.5, "seconds between workers' load reports (0: none)", minimum=0.0)
     upper_bound: bool = setting(False, "one worker with the whole fleet's capacity and compute")
-    cpu_kv_ratio: float = setting(0.0, "each worker's CPU KV tier in multiples of its GPU KV (0: no tier; "
-                                  "docs/kv-tier.md)", minimum=0.0, maximum=1000.0)
+    # The CPU KV tier: docs/kv-tier.md
+    cpu_kv_ratio: float = setting(0.0, "each worker's CPU KV tier in multiples of its GPU KV (0: no tier)",
+                                  minimum=0.0, maximum=1000.0)
     cpu_kv_policy: str = setting("write_back", "when blocks go down to the CPU tier",
                                  choices=("write_back", "write_through", "selective"))
     out: str = setting("runs/sim", "output directory")

@@ -47,8 +47,9 @@ class ServerConfig:
     kv_blocks: int | None = setting(None, "number of KV-cache blocks (wins over --kv-memory)", minimum=1)
     kv_memory: str | None = setting(None, "KV-cache size, e.g. 512MiB (simulated: per GPU)")
     block_size: int = setting(16, "tokens per KV block", minimum=1, maximum=1024)
+    # The CPU KV tier: docs/kv-tier.md
     cpu_kv_blocks: int | None = setting(None, "blocks of the CPU KV tier under the GPU prefix cache "
-                                        "(wins over --cpu-kv-memory; docs/kv-tier.md)", minimum=0)
+                                        "(wins over --cpu-kv-memory)", minimum=0)
     cpu_kv_memory: str | None = setting(None, "CPU KV tier size in host memory, e.g. 64GiB (default: no tier; "
                                         "simulated: per GPU)")
     cpu_kv_store_policy: str = setting("write_back", "when blocks go down to the CPU tier: on GPU eviction "
