@@ -278,3 +278,31 @@ def test_reset_clears_both_tiers():
     assert engine.stats().kv_tier.stored_blocks == 0
     again = serve(engine, "a2", A)
     assert again.num_cached_tokens == 0
+
+
+def test_a_written_back_lora_block_is_announced_with_its_adapter():
+    from worker.engine.kv_cache.block_pool import KVCacheBlock
+    tier = KVTier(4, block_size=4, block_bytes=16)
+    block = KVCacheBlock(0)
+    block.block_hash = 77
+    tier.on_gpu_cached([block], "sql")
+    tier.on_gpu_evict(block)
+    assert tier.take_copies().stores == [(0, 0)]
+    tier.finish_copies(stores_ok=True)
+    assert tier.take_events() == [BlockStored([77], "sql", medium="cpu")]
+
+
+def test_blocks_chosen_for_a_load_are_pinned_against_the_stores_its_allocation_causes():
+    # The tier (4 slots) is full of A's evicted blocks. Readmitting A allocates GPU blocks, which
+    # evicts B's blocks, whose write-back stores want host slots: they may take A5 (not loaded)
+    # but never A2..A4, which this very step loads (stores run first: a reused slot would hand
+    # A a block of B, and the runner would generate other tokens).
+    engine, runner = make_engine(cpu_blocks=4)
+    serve(engine, "a1", A)
+    serve(engine, "b", B)
+    again = serve(engine, "a2", A)  # serve() checks the tokens against the reference
+    assert again.num_loaded_tokens == 12
+    counters = engine.stats().kv_tier.counters
+    assert counters.skipped_stores >= 1  # a store found every slot pinned and gave up
+    loads = next(b for b in runner.batches if b.kv_loads)
+    assert {slot for _, slot in loads.kv_stores}.isdisjoint(slot for slot, _ in loads.kv_loads)

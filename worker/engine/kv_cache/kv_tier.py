@@ -122,6 +122,9 @@ class KVTier:
         self.counters = TierCounters()
         self._hits: OrderedDict[int, int] = OrderedDict()  # block hash -> reuses (selective)
         self._max_hit_entries = max(65536, 4 * num_blocks)
+        # block hash -> the LoRA adapter that computed it (base-model blocks are not listed), so
+        # a write-back store's ``cpu`` event names it as the GPU one did
+        self._lora_of: OrderedDict[int, str] = OrderedDict()
         self._stores: list[tuple[int, HostBlock]] = []
         self._loads: list[tuple[HostBlock, int]] = []
         self._in_flight: tuple[list[tuple[int, HostBlock]], list[tuple[HostBlock, int]]] | None = None
@@ -136,10 +139,18 @@ class KVTier:
             return
         if self.policy == "selective" and self._hits.get(h, 0) < self.min_hits:
             return
-        self._reserve(block.block_id, h, None)
+        self._reserve(block.block_id, h, self._lora_of.get(h))
 
     def on_gpu_cached(self, blocks: Sequence[KVCacheBlock], lora_name: str | None) -> None:
         """``blocks`` were just registered in the GPU prefix cache (``write_through`` copies them)."""
+        if lora_name is not None:
+            lora_of = self._lora_of
+            for block in blocks:
+                if block.block_hash is not None:
+                    lora_of[block.block_hash] = lora_name
+                    lora_of.move_to_end(block.block_hash)
+            while len(lora_of) > self._max_hit_entries:
+                lora_of.popitem(last=False)
         if self.policy != "write_through":
             return
         for block in blocks:
