@@ -306,3 +306,12 @@ def test_blocks_chosen_for_a_load_are_pinned_against_the_stores_its_allocation_c
     assert counters.skipped_stores >= 1  # a store found every slot pinned and gave up
     loads = next(b for b in runner.batches if b.kv_loads)
     assert {slot for _, slot in loads.kv_stores}.isdisjoint(slot for slot, _ in loads.kv_loads)
+
+
+def test_an_idle_write_through_engine_can_reset_with_stores_still_queued():
+    engine, _ = make_engine(cpu_kv_store_policy="write_through")
+    serve(engine, "a1", A)  # A's blocks are cached after its last step: their copies are queued
+    assert engine.kv_tier.has_queued_copies
+    assert engine.reset_prefix_cache()
+    assert not engine.kv_tier.has_queued_copies and engine.stats().kv_tier.stored_blocks == 0
+    assert serve(engine, "a2", A).num_cached_tokens == 0

@@ -261,9 +261,12 @@ class KVTier:
 
     # ---- observability ----------------------------------------------------------------------
     def clear(self) -> bool:
-        """Forget every host entry (False while copies are queued or in flight)."""
-        if self._in_flight is not None or self._stores or self._loads:
+        """Forget every host entry, and the stores queued for the next step (False while a step's
+        copies are in flight, or a load is queued)."""
+        if self._in_flight is not None or self._loads:
             return False
+        self.host.discard(e for _, e in self._stores)
+        self._stores = []
         return self.host.clear()
 
     def take_events(self) -> list[KVCacheEvent]:
