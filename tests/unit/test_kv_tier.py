@@ -315,3 +315,18 @@ def test_an_idle_write_through_engine_can_reset_with_stores_still_queued():
     assert engine.reset_prefix_cache()
     assert not engine.kv_tier.has_queued_copies and engine.stats().kv_tier.stored_blocks == 0
     assert serve(engine, "a2", A).num_cached_tokens == 0
+
+
+def test_the_simulated_worker_charges_tier_copies_at_the_profile_bandwidth():
+    from worker.simulator.runner import build_simulated_engine
+    engine, runner = build_simulated_engine("H100-80G", "llama-3-8b", time_scale=1000.0, num_kv_blocks=8,
+                                            block_size=16, cpu_kv_blocks=64)
+    a, b = list(range(1, 97)), list(range(101, 197))
+    for prompt in (a, b):
+        engine.generate([prompt], greedy(1))
+    again = engine.generate([a], greedy(1))[0]
+    tier = engine.stats().kv_tier
+    assert tier.block_bytes == 16 * 128 * 1024  # Llama-3-8B: 128 KiB of KV per token
+    assert again.num_loaded_tokens == 48 and tier.counters.bytes_loaded == 3 * tier.block_bytes
+    # measured from the modelled copy time (over the time scale, as the engine sees it)
+    assert tier.load_measured and tier.load_bytes_per_s == pytest.approx(50e9 * 1000.0)
