@@ -12,13 +12,14 @@ import pytest
 
 from tests.engine_support import SlotMemoryRunner, assert_idle_accounting, reference_continuation, run_all
 from worker.engine.config import EngineConfig
-from worker.engine.kv_cache import BlockRemoved, BlockStored
+from worker.engine.kv_cache import BlockRemoved, BlockStored, KVCacheBlock
 from worker.engine.kv_cache.host_pool import HostBlockPool
 from worker.engine.kv_cache.kv_tier import KVTier
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.runner import RunnerOutput, ScheduledBatch
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.stats import SpeedMeter
+from worker.simulator.runner import build_simulated_engine
 
 BS = 4
 
@@ -148,19 +149,17 @@ def test_the_recompute_side_uses_the_engine_speed_at_that_context():
 
 def test_measured_load_bandwidth_replaces_the_configured_one():
     tier = KVTier(4, block_size=4, block_bytes=1000, load_bytes_per_s=1.0)
-    tier.pin(run := tier.find([]))
     tier.take_copies()
     tier.finish_copies(stores_ok=True, load_s=1.0)
     assert not tier.load_measured  # nothing was loaded: nothing measured
     entry = tier.host.reserve(5)
     tier.host.commit([entry])
     tier.pin([entry])
-    from worker.engine.kv_cache.block_pool import KVCacheBlock
     tier.plan_load([entry], [KVCacheBlock(3)])
     assert tier.take_copies().loads == [(entry.slot, 3)]
     tier.finish_copies(stores_ok=True, load_s=0.5)
     assert tier.load_measured and tier.load_bytes_per_s == pytest.approx(2000.0)
-    assert entry.pins == 0 and run == []
+    assert entry.pins == 0  # the load's source is released with the step
 
 
 # ---- the engine with a tier ---------------------------------------------------------------------
@@ -281,7 +280,6 @@ def test_reset_clears_both_tiers():
 
 
 def test_a_written_back_lora_block_is_announced_with_its_adapter():
-    from worker.engine.kv_cache.block_pool import KVCacheBlock
     tier = KVTier(4, block_size=4, block_bytes=16)
     block = KVCacheBlock(0)
     block.block_hash = 77
@@ -318,7 +316,6 @@ def test_an_idle_write_through_engine_can_reset_with_stores_still_queued():
 
 
 def test_the_simulated_worker_charges_tier_copies_at_the_profile_bandwidth():
-    from worker.simulator.runner import build_simulated_engine
     engine, runner = build_simulated_engine("H100-80G", "llama-3-8b", time_scale=1000.0, num_kv_blocks=8,
                                             block_size=16, cpu_kv_blocks=64)
     a, b = list(range(1, 97)), list(range(101, 197))
