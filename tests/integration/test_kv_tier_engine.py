@@ -41,3 +41,11 @@ def test_the_torch_runner_sizes_the_tier_from_host_memory():
     per_block = engine.runner.kv_block_bytes
     assert engine.kv_tier is not None and engine.kv_tier.host.num_blocks == 10 * 1024 * 1024 // per_block
     assert engine.runner.cpu_kv_caches[0][0].shape[0] == engine.kv_tier.host.num_blocks
+
+
+def test_the_tier_benchmark_measures_a_load_against_a_cold_prefill():
+    from bench.kv_tier import measure
+    row = measure("tiny", 128, "cpu", threads=1)
+    assert row["decision"] == "load" and row["loaded_tokens"] == 128 - 16
+    assert row["kv_bytes"] == 8 * 32768  # 8 blocks of the tiny model's 32 KiB
+    assert row["transfer_s"] > 0 and row["recompute_s"] > 0 and row["warm_ttft_s"] > 0
