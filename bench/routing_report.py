@@ -78,6 +78,7 @@ class ReportPlan:
     seed: int = 0
     http_policies: tuple[str, ...] = field(default=())
     http_from: Path | None = None  # reuse the HTTP runs of an earlier report instead of replaying
+    cpu_kv_ratio: float = 0.0  # simulated fleets (upper bound included) get CPU KV tiers this many x their KV
 
 
 def prefixlb_rows(affinities: tuple[float, ...]) -> list[tuple[str, str, float | None]]:
@@ -95,7 +96,7 @@ def prefixlb_rows(affinities: tuple[float, ...]) -> list[tuple[str, str, float |
 def _fleet(plan: ReportPlan, workers: int, unit: int, speedup: float, policy: str = "cache_aware",
            affinity: float | None = None, upper_bound: bool = False, speed_report: str = "measured") -> FleetConfig:
     return FleetConfig(workers=workers, kv_blocks=plan.kv_blocks, unit=unit, speedup=speedup,
-                       upper_bound=upper_bound,
+                       upper_bound=upper_bound, cpu_kv_ratio=plan.cpu_kv_ratio,
                        router=SimRouterConfig(policy=policy, affinity=DEFAULT_AFFINITY if affinity is None else affinity,
                                               speed_report=speed_report))
 
@@ -325,6 +326,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--http-policies", default="", help="only these prefixlb policies over HTTP (comma list)")
     p.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="Redis for prefixlb's KV events ('' = none)")
     p.add_argument("--http-from", default=None, help="take the HTTP rows from this earlier report directory")
+    p.add_argument("--cpu-kv-ratio", type=float, default=0.0,
+                   help="simulated workers (and the upper bound) get a CPU KV tier of this many x their KV")
     args = p.parse_args(argv)
     plan = ReportPlan(trace=args.trace, workers=args.workers, kv_blocks=args.kv_blocks, speedup=args.speedup,
                       time_scale=args.time_scale,
@@ -333,7 +336,7 @@ def main(argv: list[str]) -> int:
                       http=not args.no_http, peers=not args.no_peers, sim=not args.no_sim,
                       redis=args.redis or None, out=Path(args.out),
                       http_policies=tuple(x for x in args.http_policies.split(",") if x),
-                      http_from=Path(args.http_from) if args.http_from else None,
+                      http_from=Path(args.http_from) if args.http_from else None, cpu_kv_ratio=args.cpu_kv_ratio,
                       fleet_sizes=tuple(int(n) for n in args.fleet_sizes.split(",") if n.strip()))
     print(run_report(plan))
     print(f"written to {plan.out / 'report.md'}")

@@ -5,6 +5,7 @@ the engine's tier (``bench/sim/fleet.py``).
 ``tests/unit/test_sim_engine_parity.py``'s.)"""
 from __future__ import annotations
 
+from bench.routing_report import ReportPlan, _fleet
 from bench.sim.fleet import FleetConfig, simulate
 from bench.stats import summarize
 from bench.workloads import load_workload
@@ -27,3 +28,10 @@ def test_a_cpu_tier_keeps_the_prefixes_hbm_evicts_and_cuts_the_prefill_work():
     assert meta["prefill_tokens_computed"] < plain_meta["prefill_tokens_computed"] / 2
     assert tiered["errors"] == plain["errors"] == 0
     assert tiered["ttft_ms"]["p50"] < plain["ttft_ms"]["p50"]
+
+
+def test_the_routing_report_gives_every_simulated_fleet_the_tier_it_is_asked_for():
+    plan = ReportPlan(cpu_kv_ratio=4.0)
+    assert _fleet(plan, 8, 512, 1.0).cpu_kv_ratio == 4.0
+    assert _fleet(plan, 8, 512, 1.0, upper_bound=True).cpu_kv_ratio == 4.0
+    assert _fleet(ReportPlan(), 8, 512, 1.0).cpu_kv_ratio == 0.0
