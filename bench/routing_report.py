@@ -83,6 +83,7 @@ class ReportPlan:
     workload: str | None = None  # a workload spec (e.g. ``conversation``) instead of the trace
     workload_opts: tuple[str, ...] = ()
     http_upper_bound: bool = False  # replay the upper bound over HTTP too (one merged worker process)
+    cpu_kv_ratio: float = 0.0  # simulated fleets (upper bound included) get CPU KV tiers this many x their KV
 
 
 def prefixlb_rows(affinities: tuple[float, ...]) -> list[tuple[str, str, float | None]]:
@@ -102,7 +103,7 @@ def _fleet(plan: ReportPlan, workers: int, unit: int, speedup: float, policy: st
            time_scale: float = 1.0) -> FleetConfig:
     """A simulated fleet that sees what the HTTP router sees at ``time_scale`` (1: a real deployment)."""
     return FleetConfig(workers=workers, kv_blocks=plan.kv_blocks, unit=unit, speedup=speedup,
-                       upper_bound=upper_bound,
+                       upper_bound=upper_bound, cpu_kv_ratio=plan.cpu_kv_ratio,
                        router=SimRouterConfig(policy=policy, affinity=DEFAULT_AFFINITY if affinity is None else affinity,
                                               speed_report=speed_report, **http_view(time_scale)))
 
@@ -416,6 +417,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--workload-opt", action="append", default=[], help="workload option key=value (repeatable)")
     p.add_argument("--http-upper-bound", action="store_true",
                    help="replay the upper bound over HTTP too (the simulator's replaces it if not faithful)")
+    p.add_argument("--cpu-kv-ratio", type=float, default=0.0,
+                   help="simulated workers (and the upper bound) get a CPU KV tier of this many x their KV")
     args = p.parse_args(argv)
     plan = ReportPlan(trace=args.trace, workers=args.workers, kv_blocks=args.kv_blocks, speedup=args.speedup,
                       time_scale=args.time_scale,
@@ -424,7 +427,7 @@ def main(argv: list[str]) -> int:
                       http=not args.no_http, peers=not args.no_peers, sim=not args.no_sim,
                       redis=args.redis or None, out=Path(args.out),
                       http_policies=tuple(x for x in args.http_policies.split(",") if x),
-                      http_from=Path(args.http_from) if args.http_from else None,
+                      http_from=Path(args.http_from) if args.http_from else None, cpu_kv_ratio=args.cpu_kv_ratio,
                       workload=args.workload, workload_opts=tuple(args.workload_opt),
                       http_upper_bound=args.http_upper_bound,
                       fleet_sizes=tuple(int(n) for n in args.fleet_sizes.split(",") if n.strip()))

@@ -183,6 +183,10 @@ class LoadReport(_Message):
     ``running_lora_adapters`` / ``waiting_lora_adapters``); ``lora_disk_load_s`` /
     ``lora_slot_load_s`` the measured seconds of one disk -> host read and one host -> slot copy
     (0 until measured): what a cold adapter adds to a request's time to first token.
+
+    CPU KV tier: ``kv_tier_load_tokens_per_s`` is how many tokens of KV per second the worker
+    loads from its host-memory tier (its measured host -> device bandwidth over its KV bytes per
+    token; 0: no tier, or an older worker): what a ``cpu`` hit costs instead of its prefill.
     """
 
     worker_id: str
@@ -210,6 +214,7 @@ class LoadReport(_Message):
     lora_waiting: dict[str, int] = field(default_factory=dict)
     lora_disk_load_s: float = 0.0
     lora_slot_load_s: float = 0.0
+    kv_tier_load_tokens_per_s: float = 0.0
 
     # physical ranges: no engine runs a million requests at once or prefills 1e9 tokens a second
     _BOUNDS = {"running": (0, 1 << 20), "waiting": (0, 1 << 24), "queued_prefill_tokens": (0, 1 << 40),
@@ -218,7 +223,7 @@ class LoadReport(_Message):
                "capacity_tokens": (0, 1 << 40), "max_num_seqs": (0, 1 << 20),
                "max_num_batched_tokens": (0, 1 << 30), "prefill_tokens_per_s": (0.0, 1e9),
                "decode_step_s": (0.0, 3600.0), "max_loras": (0, 1 << 16), "lora_disk_load_s": (0.0, 3600.0),
-               "lora_slot_load_s": (0.0, 3600.0)}
+               "lora_slot_load_s": (0.0, 3600.0), "kv_tier_load_tokens_per_s": (0.0, 1e10)}
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -229,6 +234,9 @@ KV_STORED = "stored"
 KV_REMOVED = "removed"
 KV_CLEARED = "cleared"
 KV_EVENT_KINDS = (KV_STORED, KV_REMOVED, KV_CLEARED)
+MEDIUM_GPU = "gpu"
+MEDIUM_CPU = "cpu"
+KV_MEDIUMS = (MEDIUM_GPU, MEDIUM_CPU)
 
 
 @dataclass(slots=True)
@@ -239,6 +247,9 @@ class KVEvent(_Message):
     longer does; ``cleared``: it holds nothing (start-up, cache reset); ``hashes`` is empty.
     ``seq`` increases by one per event of a worker so that a gap (lost events) is visible.
     ``lora_name``: on ``stored``, the LoRA adapter whose KV it is (None: the base model).
+    ``medium``: the tier a ``stored`` / ``removed`` is about: ``gpu`` (device memory: a hit
+    skips the prefill) or ``cpu`` (the worker's host-memory tier: a hit is a transfer); older
+    workers send none, which means ``gpu``. ``cleared`` clears both.
     """
 
     worker_id: str
@@ -248,6 +259,7 @@ class KVEvent(_Message):
     seq: int = 0
     ts: float = field(default_factory=time.time)
     lora_name: str | None = None
+    medium: str = MEDIUM_GPU
 
     _BOUNDS = {"chunk_size": (1, 1 << 20)}
 
@@ -258,3 +270,5 @@ class KVEvent(_Message):
             raise MessageError("KVEvent: hashes must be a list of integers")
         if self.lora_name is not None and not isinstance(self.lora_name, str):
             raise MessageError("KVEvent: lora_name must be a string or null")
+        if self.medium not in KV_MEDIUMS:
+            raise MessageError(f"KVEvent: unknown medium {self.medium!r}")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import heapq
 
+from worker.engine.kv_cache.kv_tier import KVTier
 from worker.simulator.latency import LatencyModel, StepShape
 
 from bench.sim.decode_run import observe_decode_run
@@ -42,11 +43,11 @@ class AggregateWorker(SimWorker):
 
     def __init__(self, worker_id: str, latency: LatencyModel, num_blocks: int, unit: int,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
-                 enable_caching: bool = True, decode_runs: bool = True) -> None:
+                 enable_caching: bool = True, decode_runs: bool = True, tier: KVTier | None = None) -> None:
         if max_num_seqs > max_num_batched_tokens:
             raise ValueError("AggregateWorker needs max_num_seqs <= max_num_batched_tokens")
         super().__init__(worker_id, latency, num_blocks, unit, max_num_seqs, max_num_batched_tokens,
-                         enable_caching, decode_runs)
+                         enable_caching, decode_runs, tier)
         self._tick = 0  # decode steps this replica has run: the decoding requests' shared clock
         self._ndec = 0  # running[:_ndec] are decoding
         self._dseq = 0
@@ -124,7 +125,7 @@ class AggregateWorker(SimWorker):
             self.running_tokens += k * b
             self._finish(self._pop_finished(), now)
         else:
-            self.speed.observe(now - self._start, *self._step_work)
+            self.speed.observe(now - self._start - self._finish_copies(), *self._step_work)
             self._apply_step(now)
         self._run = None
         self._batch = []
@@ -221,11 +222,13 @@ class AggregateWorker(SimWorker):
 
 
 def make_worker(worker_id: str, latency: LatencyModel, num_blocks: int, unit: int, max_num_seqs: int,
-                max_num_batched_tokens: int, decode_runs: bool = True, aggregate: bool = True) -> SimWorker:
-    """A replica: :class:`AggregateWorker` when it applies and is asked for, else the reference."""
+                max_num_batched_tokens: int, decode_runs: bool = True, aggregate: bool = True,
+                tier: KVTier | None = None) -> SimWorker:
+    """A replica: :class:`AggregateWorker` when it applies and is asked for, else the reference
+    (``tier``: its CPU KV tier, None: none)."""
     cls = AggregateWorker if aggregate and max_num_seqs <= max_num_batched_tokens else SimWorker
     return cls(worker_id, latency, num_blocks, unit, max_num_seqs, max_num_batched_tokens,
-               decode_runs=decode_runs)
+               decode_runs=decode_runs, tier=tier)
 
 
 __all__ = ["AggregateWorker", "make_worker"]

@@ -48,6 +48,11 @@ class SimSettings:
     ingest: float = setting(INGEST_S_PER_TOKEN, "host seconds per prompt token before the engine starts "
                             "(HTTP body, tokenizing, block hashing)", minimum=0.0)
     upper_bound: bool = setting(False, "one worker with the whole fleet's capacity and compute")
+    # The CPU KV tier: docs/kv-tier.md
+    cpu_kv_ratio: float = setting(0.0, "each worker's CPU KV tier in multiples of its GPU KV (0: no tier)",
+                                  minimum=0.0, maximum=1000.0)
+    cpu_kv_policy: str = setting("write_back", "when blocks go down to the CPU tier",
+                                 choices=("write_back", "write_through", "selective"))
     out: str = setting("runs/sim", "output directory")
     label: str | None = setting(None, "name of this run in reports (default: the directory name)")
 
@@ -70,4 +75,5 @@ def fleet_config(s: SimSettings, **overrides) -> FleetConfig:
     return FleetConfig(workers=s.workers, gpu=s.gpu, model=s.sim_model, tp=s.tp, kv_blocks=s.kv_blocks,
                        block_size=s.block_size, unit=unit, max_num_seqs=s.max_num_seqs,
                        max_num_batched_tokens=s.max_num_batched_tokens, speedup=s.speedup,
-                       upper_bound=s.upper_bound, router=router, **overrides)
+                       upper_bound=s.upper_bound, cpu_kv_ratio=s.cpu_kv_ratio, cpu_kv_policy=s.cpu_kv_policy,
+                       router=router, **overrides)

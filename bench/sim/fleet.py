@@ -15,6 +15,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
+from worker.engine.kv_cache.kv_tier import KVTier
 from worker.simulator.latency import LatencyModel
 from worker.simulator.profiles import SIM_MAX_NUM_BATCHED_TOKENS, SIM_MAX_NUM_SEQS, get_gpu, get_model
 from worker.simulator.runner import nominal_speed
@@ -48,6 +49,8 @@ class FleetConfig:
     decode_runs: bool = True  # sum runs of decode-only steps in closed form (False: step by step)
     aggregate: bool = True  # decode state as aggregates (bench.sim.aggregate; False: the reference worker)
     max_model_len: int | None = None  # default: the model profile's context length
+    cpu_kv_ratio: float = 0.0  # each worker's CPU KV tier, in multiples of its GPU KV (0: none)
+    cpu_kv_policy: str = "write_back"
     router: SimRouterConfig = field(default_factory=SimRouterConfig)
 
 
@@ -76,9 +79,26 @@ def build_workers(cfg: FleetConfig, latency: LatencyModel) -> list[SimWorker]:
                          else LatencyModel(latency.gpu, latency.model, tp=cfg.tp).kv_capacity_tokens())
     n = 1 if cfg.upper_bound else cfg.workers
     scale = cfg.workers if cfg.upper_bound else 1
-    return [make_worker(f"sim-{i}", latency, per_worker_tokens * scale // cfg.unit, cfg.unit,
+    num_blocks = per_worker_tokens * scale // cfg.unit
+    return [make_worker(f"sim-{i}", latency, num_blocks, cfg.unit,
                         cfg.max_num_seqs * scale, cfg.max_num_batched_tokens * scale,
-                        decode_runs=cfg.decode_runs, aggregate=cfg.aggregate) for i in range(n)]
+                        decode_runs=cfg.decode_runs, aggregate=cfg.aggregate,
+                        tier=build_tier(cfg, latency, num_blocks)) for i in range(n)]
+
+
+def build_tier(cfg: FleetConfig, latency: LatencyModel, gpu_blocks: int) -> KVTier | None:
+    """One worker's CPU KV tier (``cpu_kv_ratio`` x its GPU blocks), or None.
+
+    A block is ``unit`` tokens of one GPU's KV shard (tensor parallelism splits the KV heads, and
+    each GPU loads its shard over its own PCIe link): its bytes over the profile's host -> device
+    bandwidth are its transfer time.
+    """
+    blocks = int(cfg.cpu_kv_ratio * gpu_blocks)
+    if blocks < 1:
+        return None
+    block_bytes = latency.model.kv_bytes_per_token * cfg.unit // latency.tp
+    return KVTier(blocks, cfg.unit, block_bytes, policy=cfg.cpu_kv_policy,
+                  load_bytes_per_s=latency.gpu.host_to_device_bandwidth)
 
 
 def simulate(workload: Workload, cfg: FleetConfig) -> SimResult:
@@ -175,12 +195,13 @@ def _simulate(workload: Workload, cfg: FleetConfig) -> SimResult:
                         heappush(delayed, (when + hop, seq, on_first_token, (req, when + hop)))
                     else:
                         on_first_token(req, when)
-            for kind, hashes in w.take_kv_events():
+            for kind, hashes, medium in w.take_kv_events():
                 if kv_delay:
                     seq += 1
-                    heappush(delayed, (when + kv_delay, seq, on_kv, (w.worker_id, kind, hashes, when + kv_delay)))
+                    heappush(delayed, (when + kv_delay, seq, on_kv,
+                                       (w.worker_id, kind, hashes, when + kv_delay, medium)))
                 else:
-                    on_kv(w.worker_id, kind, hashes, when)
+                    on_kv(w.worker_id, kind, hashes, when, medium)
             if w.finished:
                 for req in w.take_finished():
                     if hop:
@@ -249,8 +270,24 @@ def _simulate(workload: Workload, cfg: FleetConfig) -> SimResult:
         "utilisation": {w.worker_id: round(w.busy_s / span, 4) for w in workers},
         "mean_utilisation": round(sum(w.busy_s for w in workers) / span / len(workers), 4),
         "preemptions": sum(w.num_preemptions for w in workers),
+        "prefill_tokens_computed": sum(w.prefill_tokens_computed for w in workers),
+        "kv_tier": _tier_totals(workers, latency.tp),
         "reasons": dict(sorted(router.reasons.items())),
         "nominal_prefill_tokens_per_s": round(prefill_rate, 1),
         "wall_s": round(time.perf_counter() - started, 3),
     }
     return SimResult(records, meta)
+
+
+def _tier_totals(workers: list[SimWorker], tp: int) -> dict | None:
+    """The fleet's CPU KV tier counters summed over workers (None without tiers); bytes over all
+    ``tp`` GPUs of a worker (each moves its shard)."""
+    tiers = [w.tier for w in workers if w.tier is not None]
+    if not tiers:
+        return None
+    out = {"blocks_per_worker": tiers[0].host.num_blocks, "policy": tiers[0].policy}
+    for name in ("loaded_tokens", "recomputed_tokens", "loaded_blocks", "stored_blocks", "bytes_loaded",
+                 "bytes_stored", "skipped_stores"):
+        out[name] = sum(getattr(t.counters, name) for t in tiers) * (tp if name.startswith("bytes") else 1)
+    out["bytes_moved"] = out["bytes_loaded"] + out["bytes_stored"]
+    return out

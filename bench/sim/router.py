@@ -129,12 +129,12 @@ class SimRouter:
         if booking is not None:
             self.balancer.finish(booking, now, usage=(req.num_prompt, max(0, req.cached_tokens)))
 
-    def on_kv(self, worker_id: str, kind: str, hashes: list[int], now: float) -> None:
-        """A worker's KV event batch (``stored`` or ``removed``)."""
+    def on_kv(self, worker_id: str, kind: str, hashes: list[int], now: float, medium: str = "gpu") -> None:
+        """A worker's KV event batch (``stored`` or ``removed``, in its GPU or CPU tier)."""
         seq = self._event_seq.get(worker_id, 0) + 1
         self._event_seq[worker_id] = seq
         self.balancer.apply_kv_event(KVEvent(worker_id, kind, list(hashes), chunk_size=self.unit, seq=seq,
-                                             ts=now), now)
+                                             ts=now, medium=medium), now)
 
     def report(self, worker: SimWorker, now: float, prefill_tokens_per_s: float, decode_step_s: float) -> None:
         """A worker's heartbeat load report, taken by the router at once."""
@@ -149,7 +149,8 @@ class SimRouter:
             free_blocks=worker.pool.get_num_free_blocks(), total_blocks=worker.pool.num_blocks,
             capacity_tokens=worker.pool.num_blocks * worker.unit,
             max_num_seqs=worker.max_num_seqs, max_num_batched_tokens=worker.max_num_batched_tokens,
-            prefill_tokens_per_s=prefill_tokens_per_s, decode_step_s=decode_step_s, ts=now)
+            prefill_tokens_per_s=prefill_tokens_per_s, decode_step_s=decode_step_s, ts=now,
+            kv_tier_load_tokens_per_s=worker.tier.stats().load_tokens_per_s if worker.tier is not None else 0.0)
 
     def apply_report(self, report: LoadReport, now: float) -> None:
         """The router reads ``report`` at ``now`` (it may be older: stamped with its ``ts``)."""

@@ -27,6 +27,12 @@ Differences, for speed (1,000 workers × 1,000,000 requests is the target):
 - runs of decode-only steps between events are summed in closed form (:mod:`bench.sim.decode_run`)
   instead of stepping one by one: the batch is fixed until a request finishes, needs a new block
   or a new request arrives, and the roofline time of each step is affine in its index.
+
+With a CPU KV tier (``tier``, the engine's :class:`~worker.engine.kv_cache.kv_tier.KVTier`) the
+admission follows the engine's: the GPU hit, then the tier's run after it, loaded when the
+transfer beats recomputing it at the worker's measured speed; a step's copies (write-back stores
+of the blocks it evicts, then its loads) add their bytes over the GPU profile's host <-> device
+bandwidth to its time.
 """
 from __future__ import annotations
 
@@ -34,6 +40,7 @@ from collections import deque
 
 from worker.engine.kv_cache import BlockRemoved, BlockStored, KVCacheManager
 from worker.engine.kv_cache.kv_cache_manager import cdiv
+from worker.engine.kv_cache.kv_tier import KVTier
 from worker.engine.stats import ATTENTION_KNEE_TOKENS, engine_speed_meter
 from worker.simulator.latency import LatencyModel, StepShape
 from worker.simulator.runner import nominal_speed
@@ -67,7 +74,8 @@ class SimRequest:
 
     __slots__ = ("index", "arrival", "block_hashes", "num_prompt", "max_tokens", "session",
                  "num_computed_tokens", "num_output", "cached_tokens", "first_token_at", "finished_at",
-                 "blocks", "num_registered_blocks", "worker_id", "error", "prefill_left", "tick0", "dseq")
+                 "blocks", "num_registered_blocks", "worker_id", "error", "prefill_left", "tick0", "dseq",
+                 "loaded_tokens")
 
     def __init__(self, index: int, arrival: float, block_hashes: list[int], num_prompt: int, max_tokens: int,
                  session: str | None = None) -> None:
@@ -90,6 +98,7 @@ class SimRequest:
         # AggregateWorker's decode bookkeeping: num_output = worker tick + tick0 while dseq >= 0.
         self.tick0 = 0
         self.dseq = -1
+        self.loaded_tokens = 0  # of cached_tokens, loaded from the CPU KV tier
 
     @property
     def num_tokens(self) -> int:
@@ -110,7 +119,7 @@ class SimWorker:
 
     def __init__(self, worker_id: str, latency: LatencyModel, num_blocks: int, unit: int,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
-                 enable_caching: bool = True, decode_runs: bool = True) -> None:
+                 enable_caching: bool = True, decode_runs: bool = True, tier: KVTier | None = None) -> None:
         self.worker_id = worker_id
         self.decode_runs = decode_runs
         self.latency = latency
@@ -118,8 +127,12 @@ class SimWorker:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # The engine's KV-cache rules on the engine's BlockPool (its blocks made on first use).
-        self.kv = KVCacheManager(num_blocks, unit, enable_caching, pool_class=LazyBlockPool)
+        self.kv = KVCacheManager(num_blocks, unit, enable_caching, pool_class=LazyBlockPool, tier=tier)
         self.pool = self.kv.block_pool
+        self.tier = self.kv.tier
+        self._copy_s = 0.0  # the step in flight's tier copies (s), and of them its loads
+        self._load_s = 0.0
+        self.prefill_tokens_computed = 0
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.version = 0
@@ -197,7 +210,7 @@ class SimWorker:
             self.running_tokens += k * len(self._batch)
             self._finish(done, now)
         else:
-            self.speed.observe(now - self._start, *self._step_work)
+            self.speed.observe(now - self._start - self._finish_copies(), *self._step_work)
             self._apply_step(now)
         self._run = None
         self._batch = []
@@ -206,14 +219,22 @@ class SimWorker:
             return self._start_step(now)
         return None
 
-    def take_kv_events(self) -> list[tuple[str, list[int]]]:
-        """The BlockPool's KV events since the last call, as (``stored`` | ``removed``, hashes)."""
+    def _finish_copies(self) -> float:
+        """The step's tier copies are done: commit them; their seconds (not the model's speed)."""
+        copy_s = self._copy_s
+        if self.tier is not None and copy_s:
+            self.tier.finish_copies(True, self._load_s)
+            self._copy_s = self._load_s = 0.0
+        return copy_s
+
+    def take_kv_events(self) -> list[tuple[str, list[int], str]]:
+        """The BlockPool's KV events since the last call, as (``stored`` | ``removed``, hashes, medium)."""
         out = []
         for ev in self.pool.take_events():
             if isinstance(ev, BlockStored):
-                out.append(("stored", ev.block_hashes))
+                out.append(("stored", ev.block_hashes, ev.medium))
             elif isinstance(ev, BlockRemoved):
-                out.append(("removed", ev.block_hashes))
+                out.append(("removed", ev.block_hashes, ev.medium))
         return out
 
     def take_first_tokens(self) -> list[SimRequest]:
@@ -245,8 +266,21 @@ class SimWorker:
         prefill = shape.tokens - self._decodes
         # worker.engine.stats.prefill_work from the shape's sums (n(n+1)/2 vs n^2/2: half a token per chunk)
         self._step_work = (prefill, self._decodes, prefill + self._prefill_pairs / ATTENTION_KNEE_TOKENS)
-        self._end = now + self.latency.step_time(shape)
+        self._end = now + (self.latency.step_time(shape) + self._start_copies())
         return self._end
+
+    def _start_copies(self) -> float:
+        """Hand the step its queued tier copies; their modelled seconds."""
+        tier = self.tier
+        if tier is None or not tier.has_queued_copies:
+            return 0.0
+        copies = tier.take_copies()
+        rate = self.latency.gpu.host_to_device_bandwidth
+        self._load_s = len(copies.loads) * tier.block_bytes / rate
+        self._copy_s = self._load_s + len(copies.stores) * tier.block_bytes / rate
+        if not self._copy_s:  # zero-byte blocks: commit at the step's end all the same
+            self._copy_s = 1e-12
+        return self._copy_s
 
     def _decode_run(self) -> tuple[float, float, float, float, int] | None:
         """A run of identical decode-only steps, if nothing but time can change the batch."""
@@ -354,18 +388,37 @@ class SimWorker:
         """
         running, kv = self.running, self.kv
         decodes = decode_ctx = 0
+        tier = self.tier
         while self.waiting and budget > 0 and len(running) < self.max_num_seqs:
             req = self.waiting[0]
-            hits, hit_tokens = kv.get_computed_blocks(req)
+            hits, gpu_tokens = kv.get_computed_blocks(req)
+            run = kv.get_tier_run(req, len(hits)) if tier is not None else []
+            recomputed = 0
+            if run and tier is not None:  # the engine's rule (worker/engine/scheduler.py)
+                if tier.should_load(len(run), gpu_tokens, self.speed):
+                    tier.pin(run)
+                else:
+                    recomputed, run = len(run), []
+            loaded = len(run) * self.unit
+            hit_tokens = gpu_tokens + loaded
             n = min(req.num_tokens - hit_tokens, budget)
-            if not kv.allocate_slots(req, n, hits):
+            if not kv.allocate_slots(req, loaded + n, hits):
+                if run and tier is not None:
+                    tier.unpin(run)
                 break
+            if tier is not None:
+                if run:
+                    kv.plan_tier_load(req, run, len(hits))
+                elif recomputed:
+                    tier.note_recomputed(recomputed)
+                tier.note_hits(req.block_hashes[:len(hits)])
             self.waiting.popleft()
             self.queued_prefill_tokens -= hit_tokens
             req.prefill_left -= hit_tokens
             req.num_computed_tokens = hit_tokens
             if req.cached_tokens < 0:
                 req.cached_tokens = hit_tokens
+                req.loaded_tokens = loaded
             running.append(req)
             self.running_tokens += req.num_tokens
             scheduled.append((req, n))
@@ -410,6 +463,7 @@ class SimWorker:
         ends the prompt (or the recompute), a token comes out (True)."""
         req.prefill_left -= n
         self.queued_prefill_tokens -= n
+        self.prefill_tokens_computed += n
         req.num_computed_tokens += n
         self.kv.cache_computed_blocks(req)
         if req.prefill_left:

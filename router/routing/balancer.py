@@ -35,6 +35,13 @@ token ids (``PromptKey.tokens``, ``router/routing/precise.py``), that backend's 
 tokens are the engine's exact answer instead of the byte-level estimate, and the prompt's token
 count is exact too. A backend whose event stream is not synchronised is estimated as any other.
 
+**Mediums.** ``index`` holds what workers keep in GPU memory; ``cpu_index`` (same class, fed by
+``medium="cpu"`` KV events) what their CPU KV tiers keep. A candidate's cached prefix is its GPU
+match plus the run of chunks right after it that its tier holds, credited by
+:func:`~router.routing.policy.tier_credit`: at its transfer time (the worker's reported load
+rate) if loading beats recomputing it, else not at all. Workers holding a prefix only in their
+tier are candidates too, so a CPU holder wins over a cold worker and a GPU holder over both.
+
 **Feedback.** When a worker reports fewer cached tokens than predicted (by more than a chunk's
 tokens and a block: the prediction's own granularity), the entries past what it reported are
 demoted to short-lived optimistic ones, and after
@@ -55,7 +62,9 @@ from router.routing.index import PrefixIndex
 from router.routing.load import LoadBoard, SpeedProfile, Ticket
 from router.routing.precise import Pending, PreciseIndex
 from router.routing.policies import get_policy
-from router.routing.policy import NOT_ON_RING, Candidate, Decision, NoCapacity, PolicyConfig, RouteRequest
+from protocol.messages import MEDIUM_CPU
+from router.routing.policy import (NOT_ON_RING, Candidate, Decision, NoCapacity, PolicyConfig, RouteRequest,
+                                   tier_credit)
 from router.routing.prompt import PromptKey
 from router.routing.ring import DEFAULT_VNODES, WorkerRing
 
@@ -109,6 +118,7 @@ class Balancer:
         self.precise = precise if precise is not None else PreciseIndex()
         self.chunk_size = chunk_size
         self.index = index if index is not None else PrefixIndex()
+        self.cpu_index = PrefixIndex(self.index.max_entries, self.index.optimistic_ttl_s, self.index.confirmed_ttl_s)
         self.board = board if board is not None else LoadBoard(SpeedProfile())
         self.ring = WorkerRing(vnodes=vnodes)
         self.default_tokens_per_byte = tokens_per_byte
@@ -146,6 +156,7 @@ class Balancer:
         self.ring.remove(worker_id)
         self.board.remove_worker(worker_id)
         self.index.forget_worker(worker_id)
+        self.cpu_index.forget_worker(worker_id)
         self._miss_streak.pop(worker_id, None)
         self._event_sources.discard(worker_id)
         self._last_seq.pop(worker_id, None)
@@ -239,6 +250,9 @@ class Balancer:
         successors = [w for w in ring.successors(prompt.ring_key, cfg.ring_candidates + len(exclude))
                       if w not in exclude][:cfg.ring_candidates]
         ids = dict.fromkeys(w for w in matches.keys() if w in ring and w not in exclude)
+        if len(self.cpu_index):
+            in_tier, _ = self.cpu_index.match_top(prompt.hashes, now, cfg.match_candidates)
+            ids.update(dict.fromkeys(w for w in in_tier if w in ring and w not in exclude))
         known = prompt.known_cached
         if known:
             ids.update(dict.fromkeys(w for w, cached in known.items() if cached and w in ring and w not in exclude))
@@ -254,10 +268,28 @@ class Balancer:
         known = prompt.known_cached
         cached = (known[worker_id] if known and worker_id in known
                   else self.cached_tokens_for(matched, prompt, prompt_tokens, w.block_size))
+        transfer_s = 0.0
+        if not (known and worker_id in known) and len(self.cpu_index):
+            cached, transfer_s = self._with_tier(worker_id, matched, cached, prompt, prompt_tokens, now,
+                                                 self.config.attention_knee_tokens)
         return Candidate(worker_id=worker_id, cached_tokens=cached,
                          pending_s=w.pending_s(now), tokens_per_s=w.rate(), in_system=w.in_system,
                          over_limit=w.over_limit(), ring_rank=ring_rank, matched_chunks=matched,
-                         service_s=w.service_s)
+                         service_s=w.service_s, transfer_s=transfer_s)
+
+    def _with_tier(self, worker_id: str, matched: int, gpu_cached: int, prompt: PromptKey,
+                   prompt_tokens: int, now: float, knee: float) -> tuple[int, float]:
+        """``(cached tokens, transfer seconds)`` of a worker whose GPU holds ``matched`` chunks
+        (``gpu_cached`` tokens), with the run its CPU tier holds right after them credited."""
+        run = self.cpu_index.depth_of(prompt.hashes, worker_id, now, start=matched)
+        if not run:
+            return gpu_cached, 0.0
+        w = self.board.get(worker_id)
+        assert w is not None
+        total = self.cached_tokens_for(matched + run, prompt, prompt_tokens, w.block_size)
+        loaded, transfer_s = tier_credit(gpu_cached, total - gpu_cached, w.rate(),
+                                         w.transfer_tokens_per_s or self.board.profile.transfer_tokens_per_s, knee)
+        return gpu_cached + loaded, transfer_s
 
     def candidate_set(self, prompt: PromptKey, matches: Mapping[str, int], prompt_tokens: int,
                       now: float, exclude: AbstractSet[str], cfg: PolicyConfig) -> list[Candidate]:
@@ -277,6 +309,7 @@ class Balancer:
         # straight through, as fast as positional arguments.
         new, init = object.__new__, Candidate.__init__
         known = prompt.known_cached or {}
+        tiered = len(self.cpu_index) > 0
         for worker_id in ids:
             w = board.get(worker_id)
             matched = matches.get(worker_id, 0)
@@ -287,6 +320,10 @@ class Balancer:
                 tokens = min(matched * chunk_tokens, cap)
                 block = w.block_size
                 cached = max(0, int(tokens // block) * block)
+            transfer_s = 0.0
+            if tiered and worker_id not in known:
+                cached, transfer_s = self._with_tier(worker_id, matched, cached, prompt, prompt_tokens, now,
+                                                     cfg.attention_knee_tokens)
             try:
                 rank = successors.index(worker_id)
             except ValueError:
@@ -294,7 +331,7 @@ class Balancer:
             c = new(Candidate)
             init(c, worker_id=worker_id, tokens_per_s=w.rate(), cached_tokens=cached, pending_s=w.pending_s(now),
                  in_system=w.in_system, over_limit=w.over_limit(), ring_rank=rank, matched_chunks=matched,
-                 service_s=w.service_s)
+                 service_s=w.service_s, transfer_s=transfer_s)
             out.append(c)
         return out
 
@@ -373,12 +410,14 @@ class Balancer:
             self.event_gaps += 1
         if last is None or event.seq > last:
             self._last_seq[worker_id] = event.seq
+        index = self.cpu_index if event.medium == MEDIUM_CPU else self.index
         if event.kind == KV_STORED:
-            self.index.insert(event.hashes, worker_id, now, confirmed=True)
+            index.insert(event.hashes, worker_id, now, confirmed=True)
         elif event.kind == KV_REMOVED:
-            self.index.remove(event.hashes, worker_id)
+            index.remove(event.hashes, worker_id)
         elif event.kind == KV_CLEARED:
             self.index.clear_worker(worker_id)
+            self.cpu_index.clear_worker(worker_id)
             self._last_seq.pop(worker_id, None)
         return True
 

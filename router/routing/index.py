@@ -189,14 +189,16 @@ class PrefixIndex:
             level -= 1
         return result, False
 
-    def depth_of(self, hashes: Sequence[int], worker_id: str, now: float) -> int:
-        """How many leading hashes of ``hashes`` ``worker_id`` holds (no LRU side effect)."""
+    def depth_of(self, hashes: Sequence[int], worker_id: str, now: float, start: int = 0) -> int:
+        """How many hashes of ``hashes``, from ``start`` on, ``worker_id`` holds in a row (no LRU
+        side effect). ``start`` > 0 asks for the run that follows a prefix held elsewhere (a CPU
+        tier's run after the worker's GPU hit)."""
         holder = self._live.get(worker_id)
         if holder is None:
             return 0
         get = self._map.get
         i = 0
-        for h in hashes:
+        for h in hashes[start:] if start else hashes:
             entry = get(h)
             if entry is None or entry.get(holder, 0.0) <= now:
                 break

@@ -46,6 +46,9 @@ from protocol import LoadReport
 MIN_PREFILL_TOKENS_PER_S, MAX_PREFILL_TOKENS_PER_S = 1.0, 2_000_000.0
 MIN_DECODE_STEP_S, MAX_DECODE_STEP_S = 1e-4, 60.0
 MAX_NUM_SEQS = 4096
+# A CPU KV tier's load rate: from a slow PCIe link and a 70B model's KV (~1K tokens/s) to
+# NVLink-C2C and a small model's; beyond that a report is clamped.
+MIN_TRANSFER_TOKENS_PER_S, MAX_TRANSFER_TOKENS_PER_S = 1_000.0, 1e9
 RATE_CAP_FACTOR = 4.0  # a worker's prefill speed is believed up to this many times the fleet's median
 
 
@@ -66,6 +69,9 @@ class SpeedProfile:
     max_num_seqs: int = 64
     block_size: int = 16
     service_s: float = 2.0  # mean dispatch -> finish time until measured
+    # CPU KV tier load rate of a worker that announces ``cpu`` blocks but no rate: Llama-3-8B's
+    # 128 KiB of KV per token over PCIe 4.0's ~25 GB/s.
+    transfer_tokens_per_s: float = 190_000.0
 
 
 @dataclass(slots=True, eq=False)
@@ -110,6 +116,7 @@ class WorkerLoad:
     reported_running_tokens: int = 0
     routable: bool = True
     cap: int = 0  # while > 0, at most this many of this router's requests at once (breaker half-open)
+    transfer_tokens_per_s: float = 0.0  # its CPU KV tier's load rate, by its report (0: unknown)
 
     def rate(self) -> float:
         """Effective prefill tokens per second, decode pressure included."""
@@ -254,6 +261,8 @@ class LoadBoard:
             w.max_num_seqs = min(report.max_num_seqs, MAX_NUM_SEQS)
             w.max_inflight = self._limit(w.max_num_seqs)
         w.block_size = report.block_size or w.block_size
+        w.transfer_tokens_per_s = (_clamp(report.kv_tier_load_tokens_per_s, MIN_TRANSFER_TOKENS_PER_S,
+                                          MAX_TRANSFER_TOKENS_PER_S) or w.transfer_tokens_per_s)
         w.capacity_tokens = report.capacity_tokens or w.capacity_tokens
         w.reported_running_tokens = report.running_tokens
         w.report_at = at

@@ -95,6 +95,7 @@ class Candidate:
     ring_rank: int = NOT_ON_RING
     matched_chunks: int = 0  # leading chunk hashes of the request the index says it holds
     service_s: float = 0.0  # mean time one of its requests holds a batch slot (s)
+    transfer_s: float = 0.0  # loading the CPU-tier part of ``cached_tokens`` (s; 0: all on the GPU)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -136,6 +137,24 @@ def prefill_seconds(new_tokens: int, cached_tokens: int, tokens_per_s: float, kn
     if new_tokens <= 0:
         return 0.0
     return new_tokens / tokens_per_s * (1.0 + (cached_tokens + new_tokens * 0.5) / knee)
+
+
+def tier_credit(gpu_tokens: int, cpu_tokens: int, tokens_per_s: float, transfer_tokens_per_s: float,
+                knee: float) -> tuple[int, float]:
+    """What a worker's CPU KV tier adds to a request's cached prefix: ``(tokens, transfer_s)``.
+
+    ``cpu_tokens`` held in the tier right after a GPU hit of ``gpu_tokens`` are loaded -- and
+    count as cached, at their transfer time -- when the transfer beats recomputing them there,
+    the worker's own rule (worker/engine/kv_cache/kv_tier.py); otherwise they are recomputed and
+    credit nothing: ``(0, 0.0)``. So a CPU hit is worth its prefill minus its transfer, never a
+    GPU hit's whole prefill.
+    """
+    if cpu_tokens <= 0 or transfer_tokens_per_s <= 0:
+        return 0, 0.0
+    transfer = cpu_tokens / transfer_tokens_per_s
+    if transfer < prefill_seconds(cpu_tokens, gpu_tokens, tokens_per_s, knee):
+        return cpu_tokens, transfer
+    return 0, 0.0
 
 
 def hash_load_bound(total_in_system: int, workers: int, factor: float) -> int:

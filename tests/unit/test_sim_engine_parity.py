@@ -17,6 +17,9 @@ to make the comparison exact rather than approximate:
   every request has ``prompt_len % 16 + max_tokens - 1 < 16``, so its computed tokens never fill
   a block past its prompt's full ones and the engine registers no generated block either.
 
+With a CPU KV tier on both sides (the engine's :class:`KVTier` in each), the same holds: the
+same loads, the same write-back stores (as ``cpu`` KV events), the same copy time in each step.
+
 Decode runs (closed-form runs of decode steps) are off: the comparison is step by step. The
 fast :class:`AggregateWorker` (which keeps decoding requests as aggregates, so its steps list
 only the other chunks) is held to everything but the per-request step lists.
@@ -32,6 +35,7 @@ from bench.sim.aggregate import AggregateWorker
 from bench.sim.worker import SimRequest, SimWorker, is_decode
 from worker.engine.config import EngineConfig
 from worker.engine.kv_cache import BlockRemoved, BlockStored, hash_request_blocks
+from worker.engine.kv_cache.kv_tier import KVTier
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.runner import RunnerOutput, ScheduledBatch
 from worker.engine.sampling_params import SamplingParams
@@ -45,6 +49,8 @@ UNIT = 16
 NUM_BLOCKS = 10
 MAX_NUM_SEQS = 6
 MAX_NUM_BATCHED_TOKENS = 48
+TIER_BLOCKS = 24
+BLOCK_BYTES = 2 * 1024 * 1024  # Llama-3-8B's KV of 16 tokens
 
 
 @dataclass(frozen=True)
@@ -92,10 +98,12 @@ class _RecordingRunner(SimulatedRunner):
         return out
 
 
-def _run_engine(arrivals: list[Arrival]) -> dict:
+def _run_engine(arrivals: list[Arrival], tier_blocks: int = 0) -> dict:
     runner = _RecordingRunner(_latency())
+    runner.kv_block_bytes = BLOCK_BYTES
     config = EngineConfig(model=None, block_size=UNIT, num_kv_blocks=NUM_BLOCKS, max_num_seqs=MAX_NUM_SEQS,
-                          max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
+                          max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, cpu_kv_blocks=tier_blocks,
+                          cpu_kv_load_bytes_per_s=_latency().gpu.host_to_device_bandwidth)
     engine = LLMEngine(config, runner=runner)
     pending = list(arrivals)
     cached: dict[str, int] = {}
@@ -116,21 +124,24 @@ def _run_engine(arrivals: list[Arrival]) -> dict:
         assert pending == [] or engine.has_unfinished_requests(), "the workload must keep the replica busy"
         arrive(len(runner.steps_seen) - 1)
     return {"steps": runner.steps_seen, "split": runner.split, "durations": runner.durations, "cached_tokens": cached,
-            "preemptions": engine.scheduler.num_preemptions, "kv_events": _engine_events(engine)}
+            "preemptions": engine.scheduler.num_preemptions, "kv_events": _engine_events(engine),
+            "tier": engine.kv_tier.stats().counters if engine.kv_tier is not None else None}
 
 
 def _max_tokens(arrivals: list[Arrival], request_id: str) -> int:
     return next(a.max_tokens for a in arrivals if a.request_id == request_id)
 
 
-def _engine_events(engine: LLMEngine) -> list[tuple[str, list[int]]]:
+def _engine_events(engine: LLMEngine) -> list[tuple[str, list[int], str]]:
     kinds = {BlockStored: "stored", BlockRemoved: "removed"}
-    return [(kinds[type(e)], e.block_hashes) for e in engine.take_kv_events()]
+    return [(kinds[type(e)], e.block_hashes, e.medium) for e in engine.take_kv_events()]
 
 
-def _run_sim(arrivals: list[Arrival], cls: type[SimWorker] = SimWorker) -> dict:
+def _run_sim(arrivals: list[Arrival], cls: type[SimWorker] = SimWorker, tier_blocks: int = 0) -> dict:
+    tier = (KVTier(tier_blocks, UNIT, BLOCK_BYTES, load_bytes_per_s=_latency().gpu.host_to_device_bandwidth)
+            if tier_blocks else None)
     worker = cls("w", _latency(), num_blocks=NUM_BLOCKS, unit=UNIT, max_num_seqs=MAX_NUM_SEQS,
-                 max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, decode_runs=False)
+                 max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, decode_runs=False, tier=tier)
     requests = [SimRequest(i, 0.0, hash_request_blocks(a.prompt, UNIT, 0), len(a.prompt), a.max_tokens)
                 for i, a in enumerate(arrivals)]
     steps: list[list[tuple[str, int, bool]]] = []
@@ -155,7 +166,7 @@ def _run_sim(arrivals: list[Arrival], cls: type[SimWorker] = SimWorker) -> dict:
     return {"steps": steps, "split": split, "durations": durations,
             "cached_tokens": {f"r{r.index}": r.cached_tokens for r in requests},
             "preemptions": worker.num_preemptions, "kv_events": worker.take_kv_events(),
-            "tail_decodes": tail_decodes}
+            "tail_decodes": tail_decodes, "tier": tier.stats().counters if tier is not None else None}
 
 
 SEEDS = range(4)
@@ -227,3 +238,18 @@ def test_a_running_recompute_down_to_its_last_token_is_a_decode_in_both(cls):
 
     assert [(s.num_scheduled_tokens, s.is_prefill) for s in batch.seqs] == [(1, False)]
     assert worker._step_work[:2] == (batch.num_prefill_tokens, batch.num_decode_seqs) == (0, 1)
+
+
+@pytest.mark.parametrize("cls", [SimWorker, AggregateWorker])
+@pytest.mark.parametrize("seed", SEEDS)
+def test_with_a_cpu_tier_the_replica_loads_and_stores_what_the_engine_does(seed, cls):
+    arrivals = _workload(seed)
+    engine = _run_engine(arrivals, tier_blocks=TIER_BLOCKS)
+    sim = _run_sim(arrivals, cls, tier_blocks=TIER_BLOCKS)
+    for key in ("split", "durations", "cached_tokens", "preemptions", "kv_events", "tier"):
+        assert sim[key] == engine[key], key
+    if cls is SimWorker:
+        assert sim["steps"] == engine["steps"]
+    # worth comparing: the tier was used, and it changed what was computed
+    assert engine["tier"].loaded_tokens > 0 and engine["tier"].stored_blocks > 0
+    assert sum(engine["cached_tokens"].values()) > sum(_run_engine(arrivals)["cached_tokens"].values())

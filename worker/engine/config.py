@@ -26,6 +26,12 @@ class EngineConfig:
     has measured its own speed. With ``enable_lora`` the engine serves LoRA adapters
     (docs/lora.md): ``max_loras`` GPU slots (distinct adapters in one step), ``max_cpu_loras``
     adapters kept in host memory (default 4 x ``max_loras``), ranks up to ``max_lora_rank``.
+
+    CPU KV tier (docs/kv-tier.md): ``cpu_kv_blocks`` host blocks (wins over
+    ``cpu_kv_memory_bytes``; neither: no tier), stored by ``cpu_kv_store_policy``
+    (``write_back``, ``write_through``, ``selective`` with ``cpu_kv_min_hits``);
+    ``cpu_kv_load_bytes_per_s`` is the host -> device bandwidth assumed until measured (None: 25
+    GB/s on CUDA, 10 GB/s on CPU).
     """
 
     model: str | None = "tiny"
@@ -50,6 +56,11 @@ class EngineConfig:
     max_loras: int = 4
     max_cpu_loras: int | None = None
     max_lora_rank: int = 16
+    cpu_kv_blocks: int | None = None
+    cpu_kv_memory_bytes: int | None = None
+    cpu_kv_store_policy: str = "write_back"
+    cpu_kv_min_hits: int = 2
+    cpu_kv_load_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -66,6 +77,24 @@ class EngineConfig:
             self.max_cpu_loras = 4 * self.max_loras
         if self.max_cpu_loras < self.max_loras:
             raise ValueError("max_cpu_loras must be >= max_loras")
+        if self.cpu_kv_blocks is not None and self.cpu_kv_blocks < 0:
+            raise ValueError("cpu_kv_blocks must be >= 0")
+        if self.cpu_kv_memory_bytes is not None and self.cpu_kv_memory_bytes < 0:
+            raise ValueError("cpu_kv_memory_bytes must be >= 0")
+        if self.cpu_kv_store_policy not in ("write_back", "write_through", "selective"):
+            raise ValueError("cpu_kv_store_policy must be write_back, write_through or selective")
+        if self.cpu_kv_min_hits < 1:
+            raise ValueError("cpu_kv_min_hits must be >= 1")
+        if self.cpu_kv_load_bytes_per_s is not None and not self.cpu_kv_load_bytes_per_s > 0:
+            raise ValueError("cpu_kv_load_bytes_per_s must be positive")
+
+    def num_cpu_kv_blocks(self, block_bytes: int) -> int:
+        """Host blocks of the CPU KV tier for blocks of ``block_bytes`` (0: no tier)."""
+        if self.cpu_kv_blocks is not None:
+            return self.cpu_kv_blocks
+        if self.cpu_kv_memory_bytes is not None and block_bytes > 0:
+            return self.cpu_kv_memory_bytes // block_bytes
+        return 0
 
 
 DEFAULT_KV_BLOCKS = 4096

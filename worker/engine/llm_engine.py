@@ -26,6 +26,8 @@ from worker.engine.errors import (DuplicateRequestError, EngineStepError, Invali
                            LoRADisabledError, PromptTooLongError)
 from worker.engine.kv_cache.events import KVCacheEvent
 from worker.engine.kv_cache.hashing import adapter_namespace
+from worker.engine.kv_cache.kv_tier import (DEFAULT_CPU_LOAD_BYTES_PER_S, DEFAULT_CUDA_LOAD_BYTES_PER_S,
+                                            KVTier)
 from worker.engine.lora.adapter import LoRAAdapter, read_peft_adapter
 from worker.engine.lora.registry import AdapterReader, LoRARegistry
 from worker.engine.output_processor import RequestState, abort_output, process_token
@@ -76,7 +78,11 @@ class LLMEngine:
         eos = self.model_config.eos_token_ids if self.model_config else []
         tok_eos = getattr(self.tokenizer, "eos_token_id", None)
         self.eos_token_ids = sorted(set(eos) | ({tok_eos} if tok_eos is not None else set()))
-        self.scheduler = Scheduler(config, num_blocks)
+        self.speed = engine_speed_meter(config.default_prefill_tokens_per_s, config.default_decode_step_s,
+                                        config.max_num_batched_tokens, config.speed_ema_alpha)
+        self.kv_tier = _build_tier(config, runner)
+        self.scheduler = Scheduler(config, num_blocks, self.kv_tier, self.speed)
+        self.prefill_tokens_computed = 0
         self.lora: LoRARegistry | None = None
         self.lora_slot_load_s = 0.0  # EMA of one host -> slot copy (0 until measured)
         if config.enable_lora:
@@ -86,8 +92,6 @@ class LLMEngine:
                                                 model_config=self.model_config, dtype=dtype)
             assert config.max_cpu_loras is not None
             self.lora = LoRARegistry(config.max_cpu_loras, lora_reader, served_model_names)
-        self.speed = engine_speed_meter(config.default_prefill_tokens_per_s, config.default_decode_step_s,
-                                        config.max_num_batched_tokens, config.speed_ema_alpha)
         self._states: dict[str, RequestState] = {}
         self._pending: list[RequestOutput] = []
         self.prompt_tokens_total = 0
@@ -169,6 +173,8 @@ class LLMEngine:
             result = self.runner.execute(batch)
         except Exception as exc:
             # Only this batch's requests fail; everything else keeps its place.
+            if self.kv_tier is not None:
+                self.kv_tier.finish_copies(stores_ok=False)  # nothing of this step is loadable
             self._pending = outputs
             failed = [s.request_id for s in batch.seqs]
             for rid in failed:
@@ -184,6 +190,11 @@ class LLMEngine:
             self.lora_slot_load_s = per_load if self.lora_slot_load_s == 0 else (
                 0.7 * self.lora_slot_load_s + 0.3 * per_load)
             duration = max(duration - result.lora_load_s, 1e-9)  # not the model's speed
+        if self.kv_tier is not None:
+            self.kv_tier.finish_copies(result.kv_stores_ok, result.kv_load_s)
+            if result.kv_copy_s > 0:
+                duration = max(duration - result.kv_copy_s, 1e-9)  # copies are not prefill speed
+        self.prefill_tokens_computed += batch.num_prefill_tokens
         self.scheduler.on_step_done(batch)
         self.num_steps += 1
         now = time.monotonic()
@@ -295,7 +306,8 @@ class LLMEngine:
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
             requests_finished=self.requests_finished, num_steps=self.num_steps,
-            lora=self._lora_stats())
+            lora=self._lora_stats(), prefill_tokens_computed=self.prefill_tokens_computed,
+            kv_tier=self.kv_tier.stats() if self.kv_tier is not None else None)
 
     def _lora_stats(self) -> LoRAStats | None:
         registry, slots = self.lora, self.scheduler.lora_slots
@@ -311,6 +323,21 @@ class LLMEngine:
             running=[s.lora_name for s in sched.running if s.lora is not None],
             waiting=[s.lora_name for s in sched.waiting if s.lora is not None],
             disk_load_s=registry.disk_load_s, slot_load_s=self.lora_slot_load_s)
+
+
+def _build_tier(config: EngineConfig, runner: ModelRunner) -> KVTier | None:
+    """The CPU KV tier the config asks for (None: none). The torch runner sized it and allocated
+    its host tensors (``num_cpu_kv_blocks``); another runner gets ``config``'s blocks."""
+    block_bytes = int(getattr(runner, "kv_block_bytes", 0))
+    num = getattr(runner, "num_cpu_kv_blocks", None)
+    if num is None:
+        num = config.num_cpu_kv_blocks(block_bytes)
+    if num <= 0 or not config.enable_prefix_caching:
+        return None
+    bandwidth = config.cpu_kv_load_bytes_per_s or (
+        DEFAULT_CUDA_LOAD_BYTES_PER_S if config.device.startswith("cuda") else DEFAULT_CPU_LOAD_BYTES_PER_S)
+    return KVTier(num, config.block_size, block_bytes, policy=config.cpu_kv_store_policy,
+                  min_hits=config.cpu_kv_min_hits, load_bytes_per_s=bandwidth)
 
 
 def _read_adapter(name: str, path: str, *, max_rank: int, model_config: ModelConfig | None,

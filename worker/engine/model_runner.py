@@ -9,9 +9,15 @@ lays each step out as one flat batch of tokens, decoding sequences first::
 so the paged-decode kernel takes the first rows and prefix-extend the rest. With LoRA, the
 same rows carry their adapter's slot: BGMV over the decode rows, SGMV over each prefill chunk
 (worker/engine/lora/weights.py); the slot loads a batch asks for are copied in first.
+
+With a CPU KV tier it also owns the host copy of the KV (the same layout with
+``num_cpu_kv_blocks`` blocks, pinned on CUDA) and runs a step's tier copies before its model:
+stores (device -> host) first, then loads (host -> device). On CUDA they run on a copy stream of
+their own and the step waits for them; they are timed, which is how the tier measures its bandwidth.
 """
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -27,6 +33,8 @@ from worker.engine.model.presets import PRESETS
 from worker.engine.runner import RunnerOutput, ScheduledBatch, ScheduledSequence
 from worker.engine.sampler import sample
 from worker.engine.tokenizer import Tokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
 
 # Without --kv-blocks / --kv-memory a CPU worker gets at most this much KV memory.
 DEFAULT_KV_MEMORY_BYTES = 512 * 1024 * 1024
@@ -57,6 +65,14 @@ class TorchModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(mc.num_hidden_layers)]
+        self.kv_block_bytes = kv_block_bytes(mc, self.block_size, self.dtype)
+        self.num_cpu_kv_blocks = engine_config.num_cpu_kv_blocks(self.kv_block_bytes)
+        pin = self.device.type == "cuda"
+        host_shape = (self.num_cpu_kv_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim)
+        self.cpu_kv_caches = [(torch.empty(host_shape, dtype=self.dtype, pin_memory=pin),
+                               torch.empty(host_shape, dtype=self.dtype, pin_memory=pin))
+                              for _ in range(mc.num_hidden_layers)] if self.num_cpu_kv_blocks else []
+        self._copy_stream = torch.cuda.Stream(self.device) if pin and self.num_cpu_kv_blocks else None
         self.lora_weights: LoRASlotWeights | None = None
         if engine_config.enable_lora:
             self.lora_backend = get_lora_backend(engine_config.attention_backend, self.device)
@@ -112,6 +128,59 @@ class TorchModelRunner:
             torch.cuda.synchronize(self.device)  # to time the copies (the stream orders them anyway)
         return time.perf_counter() - start
 
+    def _copy_kv(self, batch: ScheduledBatch) -> tuple[bool, float, float]:
+        """Run the batch's tier copies: (stores succeeded, seconds of the loads, seconds of all)."""
+        start = time.perf_counter()
+        stores_ok = True
+        if batch.kv_stores:
+            try:
+                self._store_blocks(batch.kv_stores)
+            except (RuntimeError, OSError) as exc:  # a failed copy out only costs the tier those blocks
+                log.warning("event=kv_store_failed blocks=%d error=%r", len(batch.kv_stores), exc)
+                stores_ok = False
+        loads_start = time.perf_counter()
+        if batch.kv_loads:
+            self._load_blocks(batch.kv_loads)
+        end = time.perf_counter()
+        return stores_ok, end - loads_start if batch.kv_loads else 0.0, end - start
+
+    def _store_blocks(self, stores: list[tuple[int, int]]) -> None:
+        """Copy device blocks into host slots (``(gpu_block_id, host_slot)`` pairs)."""
+        ids = torch.tensor([g for g, _ in stores], dtype=torch.long, device=self.device)
+        slots = torch.tensor([h for _, h in stores], dtype=torch.long)
+        stream = self._copy_stream
+        if stream is None:
+            for (gk, gv), (hk, hv) in zip(self.kv_caches, self.cpu_kv_caches):
+                hk.index_copy_(0, slots, gk.index_select(0, ids))
+                hv.index_copy_(0, slots, gv.index_select(0, ids))
+            return
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # the KV is written
+        with torch.cuda.stream(stream):
+            staged = [(gk.index_select(0, ids).to("cpu", non_blocking=True),
+                       gv.index_select(0, ids).to("cpu", non_blocking=True)) for gk, gv in self.kv_caches]
+        stream.synchronize()  # the staged copies are on the host before they are scattered
+        for (sk, sv), (hk, hv) in zip(staged, self.cpu_kv_caches):
+            hk.index_copy_(0, slots, sk)
+            hv.index_copy_(0, slots, sv)
+
+    def _load_blocks(self, loads: list[tuple[int, int]]) -> None:
+        """Copy host slots into device blocks (``(host_slot, gpu_block_id)`` pairs)."""
+        slots = torch.tensor([h for h, _ in loads], dtype=torch.long)
+        ids = torch.tensor([g for _, g in loads], dtype=torch.long, device=self.device)
+        stream = self._copy_stream
+        if stream is None:
+            for (gk, gv), (hk, hv) in zip(self.kv_caches, self.cpu_kv_caches):
+                gk.index_copy_(0, ids, hk.index_select(0, slots))
+                gv.index_copy_(0, ids, hv.index_select(0, slots))
+            return
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # the stores read these blocks first
+        with torch.cuda.stream(stream):
+            for (gk, gv), (hk, hv) in zip(self.kv_caches, self.cpu_kv_caches):
+                gk.index_copy_(0, ids, hk.index_select(0, slots).pin_memory().to(self.device, non_blocking=True))
+                gv.index_copy_(0, ids, hv.index_select(0, slots).pin_memory().to(self.device, non_blocking=True))
+        stream.synchronize()  # timed: the tier's bandwidth is measured on this
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+
     def _block_table(self, seqs: list[ScheduledSequence]) -> torch.Tensor:
         width = max(len(s.block_ids) for s in seqs)
         rows = [s.block_ids + [0] * (width - len(s.block_ids)) for s in seqs]
@@ -123,6 +192,8 @@ class TorchModelRunner:
         for rid in batch.finished_request_ids:
             self._generators.pop(rid, None)
         lora_load_s = self._load_loras(batch) if batch.lora_loads else 0.0
+        stores_ok, kv_load_s, kv_copy_s = (self._copy_kv(batch) if batch.kv_stores or batch.kv_loads
+                                           else (True, 0.0, 0.0))
         # Decodes grouped by adapter slot: each adapter's decode rows are then one contiguous run.
         decodes = sorted((s for s in batch.seqs if not s.is_prefill), key=lambda s: s.lora_slot)
         extends = [s for s in batch.seqs if s.is_prefill]
@@ -168,7 +239,8 @@ class TorchModelRunner:
             lora = build_lora_context(self.lora_weights, self.lora_backend, row_slots, len(decodes), dev)
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
                             torch.tensor(positions, dtype=torch.long, device=dev), self.kv_caches, ctx, lora)
-        out = RunnerOutput(lora_load_s=lora_load_s)
+        out = RunnerOutput(lora_load_s=lora_load_s, kv_stores_ok=stores_ok, kv_load_s=kv_load_s,
+                           kv_copy_s=kv_copy_s)
         if not sample_rows:
             return out
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])

@@ -79,6 +79,7 @@ def process_token(seq: Sequence, state: RequestState, token_id: int,
         finish_reason=status.value if status is not None else None,
         num_prompt_tokens=seq.num_prompt_tokens,
         num_cached_tokens=max(seq.num_cached_tokens, 0),
+        num_loaded_tokens=seq.num_loaded_tokens,
         token_ids=seq.output_token_ids,
         logprobs=[logprob] if logprob is not None else None,
         stop_reason=stop_reason,
@@ -110,4 +111,5 @@ def abort_output(seq: Sequence, state: RequestState | None) -> RequestOutput:
         request_id=seq.request_id, new_token_ids=[], new_text=new_text, finished=True,
         finish_reason="abort", num_prompt_tokens=seq.num_prompt_tokens,
         num_cached_tokens=max(seq.num_cached_tokens, 0), token_ids=seq.output_token_ids,
-        arrival_time=seq.arrival_time, num_preemptions=seq.num_preemptions)
+        arrival_time=seq.arrival_time, num_preemptions=seq.num_preemptions,
+        num_loaded_tokens=seq.num_loaded_tokens)

@@ -18,6 +18,9 @@ class RequestOutput:
     Timing (``time.monotonic()`` seconds): ``ttft_s`` is set on the output carrying the first
     token (first token time − arrival); ``itl_s`` holds the gaps between consecutive tokens
     delivered in this output.
+
+    ``num_cached_tokens`` counts every prompt token not recomputed: GPU prefix-cache hits plus
+    ``num_loaded_tokens`` loaded from the CPU KV tier.
     """
 
     request_id: str
@@ -34,6 +37,7 @@ class RequestOutput:
     ttft_s: float | None = None
     itl_s: list[float] = field(default_factory=list)
     num_preemptions: int = 0
+    num_loaded_tokens: int = 0
 
     @property
     def num_output_tokens(self) -> int:

@@ -63,12 +63,17 @@ class ScheduledBatch:
 
     ``lora_loads``: ``(slot, adapter)`` assignments the runner applies before computing this
     step (copy the adapter's weights into the slot): adapters load between steps.
+    ``kv_stores`` (``(gpu_block_id, host_slot)``) and then ``kv_loads`` (``(host_slot,
+    gpu_block_id)``) are the CPU KV tier's copies, run before the model in that order: a stored
+    block may be one this step overwrites, a loaded one is read by it.
     """
 
     seqs: list[ScheduledSequence] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
     block_size: int = 16
     lora_loads: list[tuple[int, "LoRAAdapter"]] = field(default_factory=list)
+    kv_stores: list[tuple[int, int]] = field(default_factory=list)
+    kv_loads: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -94,12 +99,18 @@ class RunnerOutput:
     clock (the simulated runner: its modelled time over the time scale); None = measure it.
     ``lora_load_s``: the part of the step spent loading adapters into slots (the engine keeps
     it out of its speed measurements and reports it as the slot load time).
+    ``kv_stores_ok``: False when the batch's KV stores failed (none of them may be loaded);
+    ``kv_load_s`` / ``kv_copy_s``: the seconds the KV loads / all KV copies took (the engine
+    measures the tier's bandwidth with the first and keeps the second out of its speed).
     """
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     step_s: float | None = None
     lora_load_s: float = 0.0
+    kv_stores_ok: bool = True
+    kv_load_s: float = 0.0
+    kv_copy_s: float = 0.0
 
 
 class ModelRunner(Protocol):

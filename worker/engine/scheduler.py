@@ -12,6 +12,10 @@ Each step gets ``max_num_batched_tokens`` tokens of budget:
    behind it jumps ahead), while budget, ``max_num_seqs`` and blocks allow. A newly admitted
    sequence reuses its cached prefix and prefills the rest, in chunks if the budget is short.
 
+With a CPU KV tier, an admitted request's GPU hit is followed by the longest run of its blocks
+stored in the tier, loaded with the step when the tier says the transfer beats recomputing them
+(worker/engine/kv_cache/kv_tier.py); the tier's copies ride on the step's batch.
+
 Prefill chunks and decode tokens share one step ("mixed batches"). The scheduler owns token
 bookkeeping only; the engine applies sampled tokens and finishing rules.
 
@@ -30,22 +34,30 @@ from collections import deque
 
 from worker.engine.config import EngineConfig
 from worker.engine.kv_cache.kv_cache_manager import KVCacheManager
+from worker.engine.kv_cache.kv_tier import KVTier
 from worker.engine.lora.adapter import LoRAAdapter
 from worker.engine.lora.slots import LoRASlots
 from worker.engine.runner import ScheduledBatch, ScheduledSequence
 from worker.engine.sequence import Sequence, SequenceStatus
+from worker.engine.stats import SpeedMeter
 
 
 class Scheduler:
     """Chooses what each step computes; keeps the waiting and running queues."""
 
-    def __init__(self, config: EngineConfig, num_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, num_blocks: int, tier: KVTier | None = None,
+                 speed: SpeedMeter | None = None) -> None:
+        """``tier``: the CPU KV tier (None: none); ``speed``: the engine's measured speed, which
+        the tier's transfer-vs-recompute decision reads."""
         self.config = config
         self.block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size,
-                                               config.enable_prefix_caching)
+                                               config.enable_prefix_caching, tier=tier)
+        self.tier = self.kv_cache_manager.tier
+        self.speed = speed if speed is not None else SpeedMeter(config.default_prefill_tokens_per_s,
+                                                                config.default_decode_step_s)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.requests: dict[str, Sequence] = {}
@@ -122,6 +134,7 @@ class Scheduler:
         now = time.monotonic()
         self._forget_taken_reservations()
         blocked: list[LoRAAdapter] = []  # distinct adapters waiting for a slot, in queue order
+        tier = self.tier
         i = 0
         while (i < len(self.waiting) and budget > 0 and not preempted
                and len(self.running) < self.max_num_seqs):
@@ -130,19 +143,35 @@ class Scheduler:
                 i += 1  # it waits for a slot; those behind it may still go
                 continue
             hits, num_hit_tokens = kv.get_computed_blocks(seq)
-            n = seq.num_tokens - num_hit_tokens
-            if n > budget and not self.config.enable_chunked_prefill:
+            run = kv.get_tier_run(seq, len(hits)) if tier is not None else []
+            num_recomputed = 0
+            if run and tier is not None:
+                if tier.should_load(len(run), num_hit_tokens, self.speed):
+                    tier.pin(run)  # allocating may store (evict) blocks, which must not take these
+                else:
+                    num_recomputed, run = len(run), []
+            num_loaded = len(run) * self.block_size
+            n = seq.num_tokens - num_hit_tokens - num_loaded
+            if (n > budget and not self.config.enable_chunked_prefill) or not kv.allocate_slots(
+                    seq, num_loaded + min(n, budget), hits):
+                if run and tier is not None:
+                    tier.unpin(run)
                 break
             n = min(n, budget)
-            if not kv.allocate_slots(seq, n, hits):
-                break
+            if tier is not None:
+                if run:
+                    kv.plan_tier_load(seq, run, len(hits))
+                elif num_recomputed:
+                    tier.note_recomputed(num_recomputed)
+                tier.note_hits(seq.block_hashes[:len(hits)])
             del self.waiting[i]
             if seq.lora is not None:
                 self._pin(seq, now)
-            seq.num_computed_tokens = num_hit_tokens
+            seq.num_computed_tokens = num_hit_tokens + num_loaded
             seq.status = SequenceStatus.RUNNING
             if seq.num_cached_tokens < 0:
-                seq.num_cached_tokens = num_hit_tokens
+                seq.num_cached_tokens = num_hit_tokens + num_loaded
+                seq.num_loaded_tokens = num_loaded
                 seq.first_scheduled_time = now
             self.prefix_cache_queries += seq.num_tokens
             self.prefix_cache_hits += num_hit_tokens
@@ -157,6 +186,9 @@ class Scheduler:
             self._finished_ids = []
             if self.lora_slots is not None:
                 batch.lora_loads = self.lora_slots.take_loads()
+            if self.tier is not None:
+                copies = self.tier.take_copies()
+                batch.kv_stores, batch.kv_loads = copies.stores, copies.loads
         for seq, n in scheduled:
             start = seq.num_computed_tokens
             end = start + n

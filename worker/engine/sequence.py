@@ -38,6 +38,8 @@ class Sequence:
     ``usage.prompt_tokens_details.cached_tokens`` reports). ``lora`` is the adapter the request
     runs with (None: the base model); ``namespace`` then already includes its identity.
     ``slot_wait_since`` is when the scheduler first found no GPU slot for that adapter.
+    ``num_loaded_tokens`` is the part of ``num_cached_tokens`` loaded from the CPU KV tier (the
+    rest was a GPU hit).
     """
 
     request_id: str
@@ -52,6 +54,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1
+    num_loaded_tokens: int = 0
     blocks: list["KVCacheBlock"] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     num_registered_blocks: int = 0

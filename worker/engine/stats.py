@@ -9,6 +9,7 @@ from protocol import ATTENTION_KNEE_TOKENS  # the unit of the measured prefill s
 
 if TYPE_CHECKING:
     from worker.engine.config import EngineConfig
+    from worker.engine.kv_cache.kv_tier import KVTierStats
     from worker.engine.lora.adapter import LoRAAdapter
 
 
@@ -96,6 +97,8 @@ class EngineStats:
     running requests. ``prefill_tokens_per_s`` (linear-equivalent tokens per second, see
     :func:`prefill_work`) and ``decode_step_s`` are EMAs over recent steps (the configured
     defaults until measured; ``speed_measured`` says which). ``lora`` is None without LoRA.
+    ``prefill_tokens_computed``: prompt (and recompute) tokens the model computed;
+    ``kv_tier``: the CPU KV tier's state and counters (None without a tier).
     """
 
     running: int
@@ -123,6 +126,8 @@ class EngineStats:
     requests_finished: int
     num_steps: int
     lora: LoRAStats | None = None
+    prefill_tokens_computed: int = 0
+    kv_tier: "KVTierStats | None" = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -139,6 +144,7 @@ class EngineStats:
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "prefill_tokens_per_s": self.prefill_tokens_per_s, "decode_step_s": self.decode_step_s,
             **(self.lora.load_report_fields() if self.lora is not None else {}),
+            **({"kv_tier_load_tokens_per_s": self.kv_tier.load_tokens_per_s} if self.kv_tier is not None else {}),
         }
 
 

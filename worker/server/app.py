@@ -71,7 +71,7 @@ def build_engine(cfg: ServerConfig) -> BuiltEngine:
             max_num_seqs=cfg.max_num_seqs or SIM_MAX_NUM_SEQS,
             max_num_batched_tokens=cfg.max_num_batched_tokens or SIM_MAX_NUM_BATCHED_TOKENS,
             max_model_len=cfg.max_model_len, output_len=cfg.sim_output_len, seed=cfg.seed, answers=answers,
-            served_model_names=[cfg.model_name], **lora)
+            served_model_names=[cfg.model_name], **lora, **cfg.cpu_kv_settings())
         info = {"gpu": runner.latency.gpu.name, "sim_model": runner.latency.model.name,
                 "tp_size": runner.latency.tp, "time_scale": cfg.time_scale}
         if answers is not None:
@@ -87,7 +87,7 @@ def build_engine(cfg: ServerConfig) -> BuiltEngine:
             max_num_batched_tokens=cfg.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
             max_model_len=cfg.max_model_len,
             attention_backend=cfg.attention_backend, device=cfg.device, num_threads=cfg.threads,
-            seed=cfg.seed, **lora)
+            seed=cfg.seed, **lora, **cfg.cpu_kv_settings())
         built = BuiltEngine(LLMEngine(config, served_model_names=[cfg.model_name]), {"device": cfg.device})
     for name, path in cfg.lora_specs:
         adapter = built.engine.add_lora(name, path)

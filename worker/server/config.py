@@ -47,6 +47,19 @@ class ServerConfig:
     kv_blocks: int | None = setting(None, "number of KV-cache blocks (wins over --kv-memory)", minimum=1)
     kv_memory: str | None = setting(None, "KV-cache size, e.g. 512MiB (simulated: per GPU)")
     block_size: int = setting(16, "tokens per KV block", minimum=1, maximum=1024)
+    # The CPU KV tier: docs/kv-tier.md
+    cpu_kv_blocks: int | None = setting(None, "blocks of the CPU KV tier under the GPU prefix cache "
+                                        "(wins over --cpu-kv-memory)", minimum=0)
+    cpu_kv_memory: str | None = setting(None, "CPU KV tier size in host memory, e.g. 64GiB (default: no tier; "
+                                        "simulated: per GPU)")
+    cpu_kv_store_policy: str = setting("write_back", "when blocks go down to the CPU tier: on GPU eviction "
+                                       "(write_back), when cached (write_through), or on eviction if reused "
+                                       "--cpu-kv-min-hits times (selective)",
+                                       choices=("write_back", "write_through", "selective"))
+    cpu_kv_min_hits: int = setting(2, "reuses a block needs before selective stores it", minimum=1)
+    cpu_kv_load_bandwidth: float | None = setting(None, "host->device GB/s the tier assumes until it has measured "
+                                                  "its copies (default: 25 on CUDA, 10 on CPU; simulated: the "
+                                                  "GPU profile's)", minimum=1e-9)
     max_num_seqs: int | None = setting(
         None, f"most sequences in one batch (default {DEFAULT_MAX_NUM_SEQS}; simulated {SIM_MAX_NUM_SEQS})",
         minimum=1)
@@ -150,6 +163,18 @@ class ServerConfig:
         """``--kv-memory`` in bytes."""
         return parse_size(self.kv_memory) if self.kv_memory else None
 
+    @property
+    def cpu_kv_memory_bytes(self) -> int | None:
+        """``--cpu-kv-memory`` in bytes."""
+        return parse_size(self.cpu_kv_memory) if self.cpu_kv_memory else None
+
+    def cpu_kv_settings(self) -> dict:
+        """The EngineConfig fields of the CPU KV tier."""
+        bandwidth = self.cpu_kv_load_bandwidth
+        return dict(cpu_kv_blocks=self.cpu_kv_blocks, cpu_kv_memory_bytes=self.cpu_kv_memory_bytes,
+                    cpu_kv_store_policy=self.cpu_kv_store_policy, cpu_kv_min_hits=self.cpu_kv_min_hits,
+                    cpu_kv_load_bytes_per_s=bandwidth * 1e9 if bandwidth is not None else None)
+
 
 def load_server_config(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> ServerConfig:
     """Read a ServerConfig from ``argv`` (``prefixlb worker`` flags), env and ``--config``."""
@@ -163,6 +188,8 @@ def check_server_config(cfg: ServerConfig) -> None:
     ``--lora`` specs."""
     if cfg.kv_memory:
         parse_size(cfg.kv_memory)  # refuse a bad size now, not when the engine starts
+    if cfg.cpu_kv_memory:
+        parse_size(cfg.cpu_kv_memory)
     if cfg.sim_answers is not None and (not cfg.simulate or not cfg.sim_answers_model):
         raise SettingsError("--sim-answers replays recorded answers on a simulated worker: it needs --simulate "
                             "and --sim-answers-model")

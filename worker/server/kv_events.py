@@ -15,7 +15,9 @@ engine never caches partial blocks, so the router must not be told that prefix i
 
 When the engine reports a block stored, its chunks are announced ``stored`` (naming the LoRA
 adapter whose KV it is); when evicted, ``removed`` (the entry stays, so a later recompute is
-announced again); on a cache reset, ``cleared``. The router's chunk chain and the engine's block
+announced again); on a cache reset, ``cleared``. Each ``stored`` / ``removed`` keeps the
+engine event's ``medium`` (``gpu``, or ``cpu`` for the host KV tier): a block can be held in
+both tiers at once, and each tier's state of it is tracked apart. The router's chunk chain and the engine's block
 chain may have different seeds: a LoRA request's blocks are also keyed by the adapter's content
 digest (worker/engine/kv_cache/hashing.py ``adapter_namespace``), its chunks by the names the
 router sees. The table from block hash to chunk hashes is
@@ -29,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 from protocol.hashing import chunk_hashes
-from protocol.messages import KV_CLEARED, KV_REMOVED, KV_STORED
+from protocol.messages import KV_CLEARED, KV_REMOVED, KV_STORED, MEDIUM_GPU
 from worker.engine.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from worker.engine.kv_cache.hashing import hash_request_blocks
 
@@ -79,17 +81,18 @@ def request_chunks(rendered: bytes, prompt_token_ids: Sequence[int], namespace: 
 @dataclass(slots=True)
 class _Entry:
     chunks: dict[int, None] = field(default_factory=dict)  # an ordered set
-    stored: bool = False
+    stored: set[str] = field(default_factory=set)  # the mediums holding the block
 
 
 @dataclass(frozen=True, slots=True)
 class ChunkEvent:
     """One router-facing change: ``kind`` is stored / removed / cleared, in chunk hashes
-    (``lora_name``: the adapter whose KV a ``stored`` is)."""
+    (``lora_name``: the adapter whose KV a ``stored`` is; ``medium``: the tier)."""
 
     kind: str
     hashes: list[int]
     lora_name: str | None = None
+    medium: str = MEDIUM_GPU
 
 
 class KVEventMapper:
@@ -121,7 +124,7 @@ class KVEventMapper:
         Returns ``stored`` events for chunks newly attached to blocks already stored (a block
         cached by an earlier request whose rendering attached other chunks).
         """
-        late: list[int] = []
+        late: dict[str, list[int]] = {}
         block_hashes = request.block_hashes
         for h, k in zip(request.chunk_hashes, request.chunk_block_ids):
             if k < 0 or k >= len(block_hashes):
@@ -136,9 +139,9 @@ class KVEventMapper:
             if h in entry.chunks or len(entry.chunks) >= self.max_chunks_per_block:
                 continue
             entry.chunks[h] = None
-            if entry.stored:
-                late.append(h)
-        return [ChunkEvent(KV_STORED, late, request.lora_name)] if late else []
+            for medium in entry.stored:
+                late.setdefault(medium, []).append(h)
+        return [ChunkEvent(KV_STORED, hashes, request.lora_name, medium) for medium, hashes in sorted(late.items())]
 
     def _bound(self) -> None:
         while len(self._blocks) > self.max_blocks:
@@ -157,18 +160,18 @@ class KVEventMapper:
                 for block in event.block_hashes:
                     entry = self._blocks.get(block)
                     if entry is not None:
-                        entry.stored = True
+                        entry.stored.add(event.medium)
                         hashes.extend(entry.chunks)
                 if hashes:
-                    out.append(ChunkEvent(KV_STORED, hashes, event.lora_name))
+                    out.append(ChunkEvent(KV_STORED, hashes, event.lora_name, event.medium))
             elif isinstance(event, BlockRemoved):
                 hashes = []
                 for block in event.block_hashes:
                     # Kept (not stored): a request registered earlier may compute the block again.
                     entry = self._blocks.get(block)
                     if entry is not None:
-                        entry.stored = False
+                        entry.stored.discard(event.medium)
                         hashes.extend(entry.chunks)
                 if hashes:
-                    out.append(ChunkEvent(KV_REMOVED, hashes))
+                    out.append(ChunkEvent(KV_REMOVED, hashes, medium=event.medium))
         return out

@@ -9,6 +9,11 @@ With LoRA, vLLM's ``vllm:lora_requests_info`` gauge too, with vLLM's exact label
 ``waiting_lora_adapters``, ``running_lora_adapters``: comma-separated adapter names; value: the
 time of the scrape, as vLLM sets it), so tools that read it from vLLM read it from us, plus
 per-adapter counters (``lora_name`` label).
+
+With a CPU KV tier, ``kv_tier_*``: tokens loaded from it, tokens it held but the
+transfer-vs-recompute decision recomputed, blocks and bytes moved each way, failed stores, its
+size and use, and the host -> device bandwidth it measured. ``cached_prompt_tokens`` (GPU hit +
+loaded, as ``usage`` reports) is split by ``medium`` in ``cached_prompt_tokens_by_medium``.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from typing import Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from worker.engine.kv_cache.kv_tier import KVTierStats
 from worker.engine.stats import EngineStats, LoRAStats
 
 P = "prefixlb_worker_"
@@ -42,6 +48,7 @@ class _EngineCollector:
             "prompt_tokens": (s.prompt_tokens_total, "prompt tokens of admitted requests"),
             "generation_tokens": (s.generation_tokens_total, "tokens generated"),
             "engine_steps": (s.num_steps, "engine steps run"),
+            "prefill_computed_tokens": (s.prefill_tokens_computed, "prompt (and recompute) tokens the model computed"),
         }
         for name, (value, doc) in counters.items():
             yield CounterMetricFamily(P + name, doc, value=value)
@@ -61,6 +68,8 @@ class _EngineCollector:
             yield GaugeMetricFamily(P + name, doc, value=value)
         if s.lora is not None:
             yield from _lora_metrics(s.lora)
+        if s.kv_tier is not None:
+            yield from _kv_tier_metrics(s.kv_tier)
         for name, value in self._extra().items():
             if name.endswith("_total"):
                 yield CounterMetricFamily(P + name[:-len("_total")], name, value=value)
@@ -101,6 +110,30 @@ def _lora_metrics(lora: LoRAStats) -> Iterator[Metric]:
     yield from (requests, loads, evictions, wait)
 
 
+def _kv_tier_metrics(tier: KVTierStats) -> Iterator[Metric]:
+    c = tier.counters
+    counters = {
+        "kv_tier_loaded_tokens": (c.loaded_tokens, "prompt tokens loaded from the CPU KV tier instead of recomputed"),
+        "kv_tier_recomputed_tokens": (c.recomputed_tokens, "tokens the CPU tier held but the decision recomputed"),
+        "kv_tier_loaded_blocks": (c.loaded_blocks, "blocks copied host -> device"),
+        "kv_tier_stored_blocks": (c.stored_blocks, "blocks copied device -> host"),
+        "kv_tier_loaded_bytes": (c.bytes_loaded, "bytes copied host -> device"),
+        "kv_tier_stored_bytes": (c.bytes_stored, "bytes copied device -> host"),
+        "kv_tier_failed_stores": (c.failed_stores, "blocks whose copy to the host failed (not loadable)"),
+        "kv_tier_skipped_stores": (c.skipped_stores, "blocks not stored: every host slot was pinned"),
+    }
+    for name, (value, doc) in counters.items():
+        yield CounterMetricFamily(P + name, doc, value=value)
+    gauges = {
+        "kv_tier_blocks": (tier.total_blocks, "host blocks of the CPU KV tier"),
+        "kv_tier_blocks_stored": (tier.stored_blocks, "host blocks holding loadable KV"),
+        "kv_tier_usage_ratio": (tier.usage, "stored / total host blocks"),
+        "kv_tier_load_bytes_per_second": (tier.load_bytes_per_s, "host -> device bandwidth (measured EMA once loaded)"),
+    }
+    for name, (value, doc) in gauges.items():
+        yield GaugeMetricFamily(P + name, doc, value=value)
+
+
 class WorkerMetrics:
     """All metrics of one worker server; :meth:`render` gives the exposition text."""
 
@@ -120,6 +153,15 @@ class WorkerMetrics:
                               registry=self.registry)
         self.cached_tokens = Counter(P + "cached_prompt_tokens", "cached_tokens reported in usage",
                                      registry=self.registry)
+        self.cached_tokens_by_medium = Counter(
+            P + "cached_prompt_tokens_by_medium", "cached_tokens reported in usage, by where they came from: "
+            "gpu (prefix-cache hit) or cpu (loaded from the CPU KV tier)", ["medium"], registry=self.registry)
+
+    def count_cached(self, cached: int, loaded: int) -> None:
+        """Count one response's ``cached_tokens``, ``loaded`` of them from the CPU tier."""
+        self.cached_tokens.inc(cached)
+        self.cached_tokens_by_medium.labels("gpu").inc(cached - loaded)
+        self.cached_tokens_by_medium.labels("cpu").inc(loaded)
 
     def render(self) -> bytes:
         """Prometheus text exposition of every metric."""

@@ -27,7 +27,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from protocol.keys import RedisKeys
-from protocol.messages import KVEvent, LoadReport, WorkerInfo
+from protocol.messages import MEDIUM_GPU, KVEvent, LoadReport, WorkerInfo
 from protocol.redis_url import redis_client
 from protocol.signing import sign
 from protocol.settings import redact_url
@@ -78,12 +78,12 @@ class RedisPublisher:
 
     # ------------------------------------------------------------------ request side (no I/O)
 
-    def publish(self, kind: str, hashes: list[int], lora_name: str | None = None) -> None:
-        """Queue one KV event (``lora_name``: whose KV a ``stored`` is); drops the oldest queued
-        event if the queue is full."""
+    def publish(self, kind: str, hashes: list[int], lora_name: str | None = None, medium: str = MEDIUM_GPU) -> None:
+        """Queue one KV event (``lora_name``: whose KV a ``stored`` is; ``medium``: which tier);
+        drops the oldest queued event if the queue is full."""
         self._seq += 1
         event = KVEvent(worker_id=self.info.worker_id, kind=kind, hashes=list(hashes),
-                        chunk_size=self.info.chunk_size, seq=self._seq, lora_name=lora_name)
+                        chunk_size=self.info.chunk_size, seq=self._seq, lora_name=lora_name, medium=medium)
         if len(self._queue) >= self.queue_size:
             self._queue.popleft()
             self.stats.dropped += 1

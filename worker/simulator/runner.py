@@ -91,6 +91,7 @@ class SimulatedRunner:
         self.steps = 0
         self.lora_slots: dict[int, LoRAAdapter] = {}  # what the engine loaded into each slot
         self._previous: set[str] = set()  # the request ids of the last step
+        self.kv_block_bytes = 0  # one KV block on one GPU (set by build_simulated_engine): tier copies
 
     def lora_params(self, adapter: LoRAAdapter) -> int:
         """The adapter's parameters on the simulated model (its rank and targets, the profile's shapes)."""
@@ -145,12 +146,18 @@ class SimulatedRunner:
         for slot, adapter in batch.lora_loads:
             self.lora_slots[slot] = adapter
             loads += self.latency.lora_slot_load_time(self.lora_params(adapter))
-        modelled = self.latency.step_time(self.shape(batch)) + loads
+        # The CPU KV tier's copies (stores, then loads) at the profile's host <-> device rate.
+        rate = self.latency.gpu.host_to_device_bandwidth
+        kv_load = len(batch.kv_loads) * self.kv_block_bytes / rate
+        kv_copy = kv_load + len(batch.kv_stores) * self.kv_block_bytes / rate
+        modelled = self.latency.step_time(self.shape(batch)) + loads + kv_copy
         ids = {s.request_id for s in batch.seqs}
         self.clock.advance(modelled, continuing=not ids.isdisjoint(self._previous))
         self._previous = ids
         self.steps += 1
-        out = RunnerOutput(step_s=modelled / self.clock.time_scale, lora_load_s=loads / self.clock.time_scale)
+        scale = self.clock.time_scale
+        out = RunnerOutput(step_s=modelled / scale, lora_load_s=loads / scale, kv_load_s=kv_load / scale,
+                           kv_copy_s=kv_copy / scale)
         for s in batch.seqs:
             if not s.samples:
                 continue
@@ -222,6 +229,9 @@ def build_simulated_engine(gpu: str, model: str, *, tp: int | None = None, time_
                            seed: int = 0, answers: RecordedAnswers | None = None,
                            enable_lora: bool = False, max_loras: int = 4, max_cpu_loras: int | None = None,
                            max_lora_rank: int = 16, served_model_names: Iterable[str] = (),
+                           cpu_kv_blocks: int | None = None, cpu_kv_memory_bytes: int | None = None,
+                           cpu_kv_store_policy: str = "write_back", cpu_kv_min_hits: int = 2,
+                           cpu_kv_load_bytes_per_s: float | None = None,
                            ) -> tuple[LLMEngine, SimulatedRunner]:
     """An LLMEngine on a simulated ``model`` over ``tp`` x ``gpu`` (profile names).
 
@@ -230,7 +240,8 @@ def build_simulated_engine(gpu: str, model: str, *, tp: int | None = None, time_
     the profile's nominal speed (scaled by ``time_scale``) until it has measured its own steps.
     With ``answers`` the outputs are those recorded answers (:class:`RecordedAnswerRunner`).
     With ``enable_lora`` it serves adapters as the real engine does (slots, host tier), costed by
-    the latency model.
+    the latency model. With ``cpu_kv_blocks`` (or ``cpu_kv_memory_bytes`` of host memory per
+    GPU) it has a CPU KV tier whose copies cost the GPU profile's host <-> device bandwidth.
     """
     latency = LatencyModel(get_gpu(gpu), get_model(model), tp=tp)
     blocks = num_kv_blocks or latency.kv_capacity_blocks(block_size)
@@ -244,10 +255,14 @@ def build_simulated_engine(gpu: str, model: str, *, tp: int | None = None, time_
         max_model_len=max_model_len or latency.model.max_model_len, seed=seed,
         default_prefill_tokens_per_s=prefill_tps * time_scale,
         default_decode_step_s=decode_s / time_scale, enable_lora=enable_lora, max_loras=max_loras,
-        max_cpu_loras=max_cpu_loras, max_lora_rank=max_lora_rank)
+        max_cpu_loras=max_cpu_loras, max_lora_rank=max_lora_rank,
+        cpu_kv_blocks=cpu_kv_blocks, cpu_kv_memory_bytes=cpu_kv_memory_bytes,
+        cpu_kv_store_policy=cpu_kv_store_policy, cpu_kv_min_hits=cpu_kv_min_hits,
+        cpu_kv_load_bytes_per_s=(cpu_kv_load_bytes_per_s or latency.gpu.host_to_device_bandwidth) * time_scale)
     tokenizer = ByteTokenizer()
     runner = (SimulatedRunner(latency, time_scale=time_scale, output_len=output_len) if answers is None else
               RecordedAnswerRunner(answers, latency, tokenizer, time_scale=time_scale, output_len=output_len))
+    runner.kv_block_bytes = latency.model.kv_bytes_per_token * block_size // latency.tp  # one GPU's shard
     reader = functools.partial(runner.read_lora, max_rank=max_lora_rank)
     engine = LLMEngine(config, runner=runner, tokenizer=tokenizer, lora_reader=reader,
                        served_model_names=served_model_names)

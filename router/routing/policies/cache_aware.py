@@ -6,7 +6,8 @@ affinity ``a``. The candidates are the Balancer's candidate set (the longest pre
 key's ring successors, the least-loaded workers: :meth:`Balancer.candidate_set`).
 
 Near-ties -- candidates within ``tie_tolerance`` (relative) + ``tie_floor_s`` of the best cost --
-go to the earliest of them on the request key's ring (its session key, or its first chunks),
+go to one whose cached prefix needs no load from a CPU KV tier (``Candidate.transfer_s`` 0), then
+to the earliest of them on the request key's ring (its session key, or its first chunks),
 so two routers that see the same costs place a new prefix on the same worker, and a hot prefix
 spills to the next worker on its ring rather than to an arbitrary one.
 
@@ -84,7 +85,8 @@ class CacheAware(Policy):
             rate = c.tokens_per_s
             full = prefill_seconds(prompt, 0, rate, knee)
             cached = matched[i]
-            actual = prefill_seconds(prompt - cached, cached, rate, knee) if cached > 0 else full
+            # A CPU-tier part of the hit costs its transfer (c.transfer_s, see tier_credit).
+            actual = prefill_seconds(prompt - cached, cached, rate, knee) + c.transfer_s if cached > 0 else full
             cost = c.pending_s + fair_share_wait_s(c.in_system, c.service_s, bound)
             if i != owner:
                 cost += full - shared_weight * (full - actual)
@@ -108,9 +110,13 @@ class CacheAware(Policy):
             if cost > limit:
                 continue
             near += 1
-            # Earliest on the key's ring first; off the ring, the lowest cost, then the worker id.
-            if chosen is None or (c.ring_rank, cost if c.ring_rank == NOT_ON_RING else 0.0, c.worker_id) < (
-                    chosen.ring_rank, chosen_cost if chosen.ring_rank == NOT_ON_RING else 0.0, chosen.worker_id):
+            # One whose hit needs no transfer from a CPU tier first (the GPU copy is there already,
+            # and the link stays free); then earliest on the key's ring; off the ring, the lowest
+            # cost, then the worker id.
+            if chosen is None or (c.transfer_s > 0, c.ring_rank, cost if c.ring_rank == NOT_ON_RING else 0.0,
+                                  c.worker_id) < (
+                    chosen.transfer_s > 0, chosen.ring_rank,
+                    chosen_cost if chosen.ring_rank == NOT_ON_RING else 0.0, chosen.worker_id):
                 chosen, chosen_cost = c, cost
         assert chosen is not None
         # The ring decided if it broke a tie, or if the request simply went to the key's owner.

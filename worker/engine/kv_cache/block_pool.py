@@ -18,7 +18,7 @@ The pool never allocates tensors: block ids index the KV tensors the model runne
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 from worker.engine.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
@@ -117,6 +117,9 @@ class BlockPool:
         self.cached_block_hash_to_block: dict[int, KVCacheBlock] = {}
         self.num_cached_free_blocks = 0  # cached blocks with ref_cnt == 0
         self._events: list[KVCacheEvent] = []
+        # Called with each cached block about to be evicted, while its KV is still intact (the
+        # CPU tier copies it out: worker/engine/kv_cache/kv_tier.py).
+        self.on_evict: Callable[[KVCacheBlock], None] | None = None
 
     # ---- queries -------------------------------------------------------------------------
     def get_num_free_blocks(self) -> int:
@@ -142,6 +145,8 @@ class BlockPool:
             block = self.free_block_queue.popleft()
             if block.block_hash is not None:
                 evicted.append(block.block_hash)
+                if self.on_evict is not None:
+                    self.on_evict(block)
                 self._uncache(block)
             block.ref_cnt = 1
             out.append(block)
@@ -214,6 +219,10 @@ class BlockPool:
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self._events.append(AllBlocksCleared())
         return True
+
+    def record_event(self, event: KVCacheEvent) -> None:
+        """Append another tier's event to this pool's stream (in order with its own)."""
+        self._events.append(event)
 
     def take_events(self) -> list[KVCacheEvent]:
         """KV events since the last call, oldest first."""

@@ -1,8 +1,15 @@
-"""KV-cache events: what the engine's prefix cache gained or lost, in engine block hashes."""
+"""KV-cache events: what the engine's prefix cache gained or lost, in engine block hashes.
+
+``medium`` says which tier: ``gpu`` (the device block pool) or ``cpu`` (the host tier below it,
+worker/engine/kv_cache/host_pool.py), as vLLM's, llm-d's and Dynamo's events say it.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Union
+
+MEDIUM_GPU = "gpu"
+MEDIUM_CPU = "cpu"
 
 
 @dataclass(slots=True)
@@ -14,6 +21,7 @@ class BlockStored:
 
     block_hashes: list[int] = field(default_factory=list)
     lora_name: str | None = None
+    medium: str = MEDIUM_GPU
 
 
 @dataclass(slots=True)
@@ -21,6 +29,7 @@ class BlockRemoved:
     """These blocks were evicted; their hashes name nothing in this engine any more."""
 
     block_hashes: list[int] = field(default_factory=list)
+    medium: str = MEDIUM_GPU
 
 
 @dataclass(slots=True)

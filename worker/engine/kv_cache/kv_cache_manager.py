@@ -11,12 +11,19 @@ These rules exist only here. They read and write a request through :class:`KVCac
 which both the engine's :class:`~worker.engine.sequence.Sequence` and the fleet simulator's
 lightweight ``bench.sim.worker.SimRequest`` (hashes precomputed, no token ids) satisfy; the
 simulator runs them on its own lazily built pool (``pool_class``).
+
+With a CPU tier (:class:`~worker.engine.kv_cache.kv_tier.KVTier`, ``tier=``) the lookup goes on
+past the GPU hit: :meth:`get_tier_run` finds the longest run of stored CPU blocks right after it,
+and :meth:`plan_tier_load` copies that run into the request's freshly allocated blocks with the
+next step, after which the blocks count as computed and are registered like any other.
 """
 from __future__ import annotations
 
 from typing import Protocol
 
 from worker.engine.kv_cache.block_pool import BlockPool, KVCacheBlock
+from worker.engine.kv_cache.host_pool import HostBlock
+from worker.engine.kv_cache.kv_tier import KVTier
 
 
 def cdiv(a: int, b: int) -> int:
@@ -64,10 +71,14 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, *,
-                 pool_class: type[BlockPool] = BlockPool) -> None:
+                 pool_class: type[BlockPool] = BlockPool, tier: KVTier | None = None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.block_pool = pool_class(num_blocks, enable_caching)
+        self.tier = tier if enable_caching else None
+        if self.tier is not None:
+            self.block_pool.on_evict = self.tier.on_gpu_evict
+            self.tier.host.sink = self.block_pool.record_event
 
     @property
     def num_blocks(self) -> int:
@@ -91,6 +102,25 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits, len(hits) * self.block_size
+
+    def get_tier_run(self, req: KVCacheRequest, num_gpu_hits: int) -> list[HostBlock]:
+        """The CPU tier's stored run of ``req``'s blocks right after its ``num_gpu_hits`` GPU
+        hits (never the block holding the last token); empty without a tier.
+
+        Call after :meth:`get_computed_blocks` (which hashed the blocks looked at).
+        """
+        if self.tier is None:
+            return []
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        return self.tier.find(req.block_hashes[num_gpu_hits:max_blocks])
+
+    def plan_tier_load(self, req: KVCacheRequest, run: list[HostBlock], num_gpu_hits: int) -> None:
+        """Load ``run`` (pinned) into the blocks of ``req`` after its GPU hits, with the next step.
+
+        Call after :meth:`allocate_slots` made room for the run's tokens and the rest.
+        """
+        assert self.tier is not None
+        self.tier.plan_load(run, req.blocks[num_gpu_hits:num_gpu_hits + len(run)])
 
     def _num_new_blocks(self, req: KVCacheRequest, num_new_tokens: int,
                         computed: list[KVCacheBlock]) -> int | None:
@@ -142,9 +172,11 @@ class KVCacheManager:
             num_full = min(num_full, len(req.block_hashes))
             if num_full <= start:
                 return
-        self.block_pool.cache_blocks(req.blocks[start:num_full], req.block_hashes[start:num_full],
-                                     req.lora_name)
+        blocks = req.blocks[start:num_full]
+        self.block_pool.cache_blocks(blocks, req.block_hashes[start:num_full], req.lora_name)
         req.num_registered_blocks = num_full
+        if self.tier is not None:
+            self.tier.on_gpu_cached(blocks, req.lora_name)
 
     def free(self, req: KVCacheRequest) -> None:
         """Release the blocks of ``req``; its tail blocks become the first evicted."""
@@ -153,5 +185,11 @@ class KVCacheManager:
         req.num_registered_blocks = 0
 
     def reset_prefix_cache(self) -> bool:
-        """Drop every cached block (only when no request holds blocks)."""
-        return self.block_pool.reset_prefix_cache()
+        """Drop every cached block, on the GPU and in the CPU tier (only when no request holds
+        blocks and no copy is queued)."""
+        pool = self.block_pool
+        if pool.get_num_free_blocks() != pool.num_blocks:
+            return False
+        if self.tier is not None and not self.tier.clear():
+            return False
+        return pool.reset_prefix_cache()  # its AllBlocksCleared covers the tier too

@@ -185,14 +185,14 @@ class WorkerContext:
         rc = request_chunks(rendered, prompt_token_ids, namespace, self.chunk_size,
                             self.engine.engine.config.block_size, block_namespace, lora_name)
         for event in self.mapper.register(rc):
-            self.publisher.publish(event.kind, event.hashes, event.lora_name)
+            self.publisher.publish(event.kind, event.hashes, event.lora_name, event.medium)
 
     def on_kv_events(self, events: list[KVCacheEvent]) -> None:
         """Engine listener (on the event loop): translate and queue for Redis."""
         if self.publisher is None:
             return
         for event in self.mapper.translate(events):
-            self.publisher.publish(event.kind, event.hashes, event.lora_name)
+            self.publisher.publish(event.kind, event.hashes, event.lora_name, event.medium)
 
 
 CTX: web.AppKey[WorkerContext] = web.AppKey("ctx", WorkerContext)

@@ -16,6 +16,9 @@ from worker.engine.errors import (EngineDeadError, EngineStepError, InvalidLoRAA
                                   LoRAUnavailableError)
 
 WORKER_HEADER = "X-Prefixlb-Worker-Id"
+# The split of usage's cached_tokens: prefix-cache hit on the GPU, loaded from the CPU KV tier.
+CACHED_GPU_HEADER = "X-Prefixlb-Cached-Tokens-Gpu"
+CACHED_CPU_HEADER = "X-Prefixlb-Cached-Tokens-Cpu"
 
 
 def engine_error(exc: Exception) -> OpenAIError | None:

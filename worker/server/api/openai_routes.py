@@ -12,7 +12,7 @@ from protocol.openai_api import (SERVICE_UNAVAILABLE, OpenAIError, parse_chat_re
                                  parse_completion_request)
 from worker.server.api.body import read_json
 from worker.server.api.context import CTX, WorkerContext
-from worker.server.api.errors import WORKER_HEADER, map_exception
+from worker.server.api.errors import CACHED_CPU_HEADER, CACHED_GPU_HEADER, WORKER_HEADER, map_exception
 from worker.server.api.generation import PreparedRequest, prepare, run_choices
 from worker.server.api.responses import (ChoiceState, ResponseMeta, chat_logprobs, completion_logprobs,
                                   full_response, stream_chunk, usage, usage_chunk)
@@ -60,7 +60,7 @@ def _check_finish(reason: str | None) -> None:
 
 async def _whole(ctx: WorkerContext, prep: PreparedRequest, meta: ResponseMeta) -> web.Response:
     states = [ChoiceState(i) for i in range(len(prep.params))]
-    prompt_tokens = cached = 0
+    prompt_tokens = cached = loaded = 0
     async with contextlib.aclosing(run_choices(ctx, meta.id, prep)) as outputs:
         async for index, out in outputs:
             st = states[index]
@@ -69,14 +69,20 @@ async def _whole(ctx: WorkerContext, prep: PreparedRequest, meta: ResponseMeta) 
             if out.logprobs:
                 st.logprobs.extend(out.logprobs)
             if index == 0:
-                prompt_tokens, cached = out.num_prompt_tokens, out.num_cached_tokens
+                prompt_tokens, cached, loaded = out.num_prompt_tokens, out.num_cached_tokens, out.num_loaded_tokens
             if out.finished:
                 _check_finish(out.finish_reason)
                 st.finish_reason = out.finish_reason
     use = usage(prompt_tokens, sum(s.num_tokens for s in states), cached)
-    ctx.metrics.cached_tokens.inc(cached)
+    ctx.metrics.count_cached(cached, loaded)
     body = full_response(meta, ctx.tokenizer, states, prep.params[0].logprobs, use)
-    return web.json_response(body, dumps=lambda o: json.dumps(o, ensure_ascii=False))
+    return web.json_response(body, dumps=lambda o: json.dumps(o, ensure_ascii=False),
+                             headers=_cached_split(cached, loaded))
+
+
+def _cached_split(cached: int, loaded: int) -> dict[str, str]:
+    """The headers splitting ``cached_tokens``: GPU prefix-cache hit and CPU-tier load."""
+    return {CACHED_GPU_HEADER: str(cached - loaded), CACHED_CPU_HEADER: str(loaded)}
 
 
 async def _stream(request: web.Request, ctx: WorkerContext, prep: PreparedRequest,
@@ -86,13 +92,16 @@ async def _stream(request: web.Request, ctx: WorkerContext, prep: PreparedReques
     n = len(prep.params)
     offsets = [0] * n
     tokens = [0] * n
-    prompt_tokens = cached = 0
+    prompt_tokens = cached = loaded = 0
     async with contextlib.aclosing(run_choices(ctx, meta.id, prep)) as outputs:
         # The first output decides between an HTTP error (nothing sent yet) and a stream.
         first = await outputs.__anext__()
+        # The first output comes after the request's first scheduling: its cache split is known.
+        out0 = first[1]
         resp = web.StreamResponse(headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-            "X-Accel-Buffering": "no", WORKER_HEADER: ctx.worker_id})
+            "X-Accel-Buffering": "no", WORKER_HEADER: ctx.worker_id,
+            **_cached_split(out0.num_cached_tokens, out0.num_loaded_tokens)})
         await resp.prepare(request)
         try:
             if meta.chat:
@@ -103,6 +112,7 @@ async def _stream(request: web.Request, ctx: WorkerContext, prep: PreparedReques
                 for index, out in pending:
                     if index == 0:
                         prompt_tokens, cached = out.num_prompt_tokens, out.num_cached_tokens
+                        loaded = out.num_loaded_tokens
                     tokens[index] = len(out.token_ids)
                     if out.finished:
                         _check_finish(out.finish_reason)
@@ -119,7 +129,7 @@ async def _stream(request: web.Request, ctx: WorkerContext, prep: PreparedReques
                 except StopAsyncIteration:
                     break
             use = usage(prompt_tokens, sum(tokens), cached)
-            ctx.metrics.cached_tokens.inc(cached)
+            ctx.metrics.count_cached(cached, loaded)
             if req.include_usage:
                 await resp.write(_sse(usage_chunk(meta, use)))
             await resp.write(b"data: [DONE]\n\n")
