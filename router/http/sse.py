@@ -89,7 +89,10 @@ class UsageTap:
             self.events += 1
             if b"[DONE]" in event and _is_done(event):
                 self.done = True
-            if b'"usage"' not in event:
+            if b'"usage"' not in event or b'"usage":null' in event or b'"usage": null' in event:
+                # Token chunks carry no usage (or ``"usage": null`` in every chunk, as the worker
+                # and vLLM send with include_usage): forwarded without decoding. A quoted key can
+                # only be a key -- JSON strings escape their quotes -- and an object has one.
                 out.append(event)
                 continue
             obj = _data_json(event)

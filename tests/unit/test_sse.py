@@ -23,3 +23,21 @@ def test_an_event_that_never_ends_is_refused_past_the_bound():
     with pytest.raises(EventTooLarge):
         for _ in range(MAX_EVENT_BYTES // len(chunk) + 2):
             assert tap.feed(chunk) == b""
+
+
+def test_token_chunks_with_a_null_usage_are_forwarded_without_being_decoded(monkeypatch):
+    import router.http.sse as sse
+
+    def no_decoding(event: bytes):
+        raise AssertionError("a token chunk was decoded")
+
+    monkeypatch.setattr(sse, "_data_json", no_decoding)
+    tap = UsageTap(strip=True)
+    chunks = (b'data: {"choices":[{"text":"say \\"usage\\": 1"}],"usage":null}\n\n'
+              b'data: {"choices":[{"text":"b"}], "usage": null}\n\n')
+    assert tap.feed(chunks) == chunks
+    assert tap.usage is None
+    monkeypatch.undo()
+    final = b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}\n\n'
+    assert tap.feed(final) == b""  # the usage-only chunk the client did not ask for
+    assert tap.usage == {"prompt_tokens": 3, "completion_tokens": 2}
