@@ -148,3 +148,29 @@ def test_a_lora_requests_chunks_keep_the_routers_seed_and_attach_to_the_engines_
     mapper = KVEventMapper()
     mapper.register(rc)
     assert mapper.translate(events) == [ChunkEvent("stored", rc.chunk_hashes, "sql")]
+
+
+def test_a_shared_prefix_chunk_is_removed_only_when_the_last_block_completing_it_is_evicted():
+    # Two requests share a 256-byte system prompt. Chunk 2 ends at byte 256 = token index 257
+    # (the BOS shifts by one), so it completes in block 16, which also holds each request's own
+    # first 15 bytes: a different block per request. Evicting one request's block 16 must not
+    # tell the router the shared prompt is gone from the worker while the other's still holds it.
+    system = "s" * 256
+    texts = [system + "first user question, long enough", system + "second one, a different text!!"]
+    mapper = KVEventMapper()
+    blocks = []
+    for text in texts:
+        tokens = _byte_tokens(text)
+        rc = request_chunks(text.encode(), tokens, NS, 128, 16)
+        assert rc.chunk_block_ids[:2] == [8, 16]
+        mapper.register(rc)
+        blocks.append(_block_hashes(tokens)[:17])
+    shared = chunk_hashes(system.encode(), 128, NS)
+    assert blocks[0][:16] == blocks[1][:16] and blocks[0][16] != blocks[1][16]
+    mapper.translate([BlockStored(blocks[0]), BlockStored(blocks[1][16:])])
+    assert mapper.translate([BlockRemoved([blocks[0][16]])]) == []  # block 16 of request 2 still holds it
+    assert mapper.translate([BlockRemoved([blocks[1][16]])]) == [ChunkEvent("removed", [shared[1]])]
+    # Stored again, then a duplicate eviction of the same block: announced once, not twice.
+    mapper.translate([BlockStored([blocks[0][16]])])
+    assert mapper.translate([BlockRemoved([blocks[0][16]])]) == [ChunkEvent("removed", [shared[1]])]
+    assert mapper.translate([BlockRemoved([blocks[0][16]])]) == []

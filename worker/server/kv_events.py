@@ -14,8 +14,11 @@ proportional otherwise). A chunk whose block is not a *full* prompt block is not
 engine never caches partial blocks, so the router must not be told that prefix is held.
 
 When the engine reports a block stored, its chunks are announced ``stored`` (naming the LoRA
-adapter whose KV it is); when evicted, ``removed`` (the entry stays, so a later recompute is
-announced again); on a cache reset, ``cleared``. Each ``stored`` / ``removed`` keeps the
+adapter whose KV it is); when evicted, ``removed`` -- but only the chunks no other stored block
+still completes: one chunk hash can complete in a different block of each request (the block
+that ends a shared system prompt also starts each request's own text), and one request's
+eviction must not tell the router the shared prefix is gone (the entry stays, so a later
+recompute is announced again); on a cache reset, ``cleared``. Each ``stored`` / ``removed`` keeps the
 engine event's ``medium`` (``gpu``, or ``cpu`` for the host KV tier): a block can be held in
 both tiers at once, and each tier's state of it is tracked apart. The router's chunk chain and the engine's block
 chain may have different seeds: a LoRA request's blocks are also keyed by the adapter's content
@@ -108,6 +111,11 @@ class KVEventMapper:
         self.max_blocks = max_blocks
         self.max_chunks_per_block = max_chunks_per_block
         self._blocks: OrderedDict[int, _Entry] = OrderedDict()
+        # How many stored blocks back each (chunk, medium): the same chunk hash can complete in
+        # different blocks of different requests (a chunk ending mid-block, a BOS shift: the
+        # block holding the end of a shared system prompt also holds the start of each
+        # request's own text), so it is removed only when the last of them is evicted.
+        self._backing: dict[tuple[int, str], int] = {}
         self.forgotten = 0  # entries dropped by the bound (unannounced evictions possible)
 
     def __len__(self) -> int:
@@ -140,13 +148,27 @@ class KVEventMapper:
                 continue
             entry.chunks[h] = None
             for medium in entry.stored:
+                self._back(h, medium, 1)
                 late.setdefault(medium, []).append(h)
         return [ChunkEvent(KV_STORED, hashes, request.lora_name, medium) for medium, hashes in sorted(late.items())]
 
     def _bound(self) -> None:
         while len(self._blocks) > self.max_blocks:
-            self._blocks.popitem(last=False)
+            _, entry = self._blocks.popitem(last=False)
+            for medium in entry.stored:
+                for h in entry.chunks:
+                    self._back(h, medium, -1)
             self.forgotten += 1
+
+    def _back(self, chunk: int, medium: str, delta: int) -> int:
+        """Change how many stored blocks back ``chunk`` in ``medium``; returns the new count."""
+        key = (chunk, medium)
+        count = self._backing.get(key, 0) + delta
+        if count > 0:
+            self._backing[key] = count
+        else:
+            self._backing.pop(key, None)
+        return count
 
     def translate(self, events: Iterable[KVCacheEvent]) -> list[ChunkEvent]:
         """Router-facing events for a sequence of engine events, in order; empty ones omitted."""
@@ -154,13 +176,17 @@ class KVEventMapper:
         for event in events:
             if isinstance(event, AllBlocksCleared):
                 self._blocks.clear()
+                self._backing.clear()
                 out.append(ChunkEvent(KV_CLEARED, []))
             elif isinstance(event, BlockStored):
                 hashes = []
                 for block in event.block_hashes:
                     entry = self._blocks.get(block)
                     if entry is not None:
-                        entry.stored.add(event.medium)
+                        if event.medium not in entry.stored:
+                            entry.stored.add(event.medium)
+                            for h in entry.chunks:
+                                self._back(h, event.medium, 1)
                         hashes.extend(entry.chunks)
                 if hashes:
                     out.append(ChunkEvent(KV_STORED, hashes, event.lora_name, event.medium))
@@ -169,9 +195,10 @@ class KVEventMapper:
                 for block in event.block_hashes:
                     # Kept (not stored): a request registered earlier may compute the block again.
                     entry = self._blocks.get(block)
-                    if entry is not None:
+                    if entry is not None and event.medium in entry.stored:
                         entry.stored.discard(event.medium)
-                        hashes.extend(entry.chunks)
+                        # Announced only when no other stored block still completes the chunk.
+                        hashes.extend(h for h in entry.chunks if self._back(h, event.medium, -1) == 0)
                 if hashes:
                     out.append(ChunkEvent(KV_REMOVED, hashes, medium=event.medium))
         return out
