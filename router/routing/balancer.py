@@ -51,6 +51,7 @@ from typing import AbstractSet, Mapping
 
 from protocol import DEFAULT_CHUNK_SIZE, KVEvent, LoadReport
 from protocol.messages import KV_CLEARED, KV_REMOVED, KV_STORED
+from router.routing.adapters import AdapterBoard
 from router.routing.index import PrefixIndex
 from router.routing.load import LoadBoard, SpeedProfile, Ticket
 from router.routing.precise import Pending, PreciseIndex
@@ -95,6 +96,7 @@ class Booking:
     prompt: PromptKey
     ticket: Ticket
     pending: Pending | None = None  # its blocks on a precise backend, until they are indexed
+    adapter_tier: str = ""  # a LoRA request: where its adapter was on the worker (gpu, cpu, disk)
 
 
 class Balancer:
@@ -110,6 +112,7 @@ class Balancer:
         self.chunk_size = chunk_size
         self.index = index if index is not None else PrefixIndex()
         self.board = board if board is not None else LoadBoard(SpeedProfile())
+        self.adapters = AdapterBoard()
         self.ring = WorkerRing(vnodes=vnodes)
         self.default_tokens_per_byte = tokens_per_byte
         self.tokens_per_byte_alpha = tokens_per_byte_alpha
@@ -145,6 +148,7 @@ class Balancer:
         """Forget a worker entirely: ring, load, and every index entry it had."""
         self.ring.remove(worker_id)
         self.board.remove_worker(worker_id)
+        self.adapters.remove_worker(worker_id)
         self.index.forget_worker(worker_id)
         self._miss_streak.pop(worker_id, None)
         self._event_sources.discard(worker_id)
@@ -215,6 +219,8 @@ class Balancer:
         matches, complete = self.index.match_top(prompt.hashes, now, cfg.match_candidates)
         if not complete:
             matches = _DepthLookup(matches, self.index, prompt.hashes, now)
+        if prompt.adapter is None and self.adapters.knows(prompt.model):
+            prompt.adapter = prompt.model  # vLLM's convention: "model": the adapter's name
         if prompt.tokens is not None and self.precise.has_backends():
             prompt.known_cached = self.precise.cached_tokens(prompt.tokens, now) or None
         request = RouteRequest(prompt_tokens=self.estimate_tokens(prompt), affinity=affinity,
@@ -254,19 +260,28 @@ class Balancer:
         known = prompt.known_cached
         cached = (known[worker_id] if known and worker_id in known
                   else self.cached_tokens_for(matched, prompt, prompt_tokens, w.block_size))
+        adapter = prompt.adapter if self.config.adapter_routing else None
         return Candidate(worker_id=worker_id, cached_tokens=cached,
                          pending_s=w.pending_s(now), tokens_per_s=w.rate(), in_system=w.in_system,
                          over_limit=w.over_limit(), ring_rank=ring_rank, matched_chunks=matched,
-                         service_s=w.service_s)
+                         service_s=w.service_s,
+                         adapter_s=self.adapters.ready_s(worker_id, adapter, w.service_s) if adapter else 0.0)
 
     def candidate_set(self, prompt: PromptKey, matches: Mapping[str, int], prompt_tokens: int,
                       now: float, exclude: AbstractSet[str], cfg: PolicyConfig) -> list[Candidate]:
         """The workers of :meth:`candidate_ids` as candidates (see the module docstring).
 
         ``ring_rank`` is a worker's place among the key's ring successors (``NOT_ON_RING`` if
-        it is not one of them).
+        it is not one of them). A LoRA request, with ``cfg.adapter_routing``, is scored among
+        its adapter's workers instead, its adapter's readiness in the cost
+        (:meth:`AdapterBoard.candidate_ids`, ``router/routing/adapters.py``).
         """
-        ids, successors = self.candidate_ids(prompt, matches, now, exclude, cfg)
+        adapter = prompt.adapter if cfg.adapter_routing else None
+        if adapter:
+            ids, successors = self.adapters.candidate_ids(self, prompt, adapter, matches, exclude, cfg)
+        else:
+            ids, successors = self.candidate_ids(prompt, matches, now, exclude, cfg)
+        adapters = self.adapters
         # The hot loop of every decision (the simulator makes a million): locals, no helpers.
         chunk_tokens = self.chunk_size * self.tokens_per_byte(prompt.ratio_key)
         cap = prompt_tokens - 1
@@ -294,7 +309,7 @@ class Balancer:
             c = new(Candidate)
             init(c, worker_id=worker_id, tokens_per_s=w.rate(), cached_tokens=cached, pending_s=w.pending_s(now),
                  in_system=w.in_system, over_limit=w.over_limit(), ring_rank=rank, matched_chunks=matched,
-                 service_s=w.service_s)
+                 service_s=w.service_s, adapter_s=adapters.ready_s(worker_id, adapter, w.service_s) if adapter else 0.0)
             out.append(c)
         return out
 
@@ -313,7 +328,12 @@ class Balancer:
         prefill = max(1, decision.prompt_tokens - decision.predicted_cached_tokens)
         ticket = self.board.dispatch(worker_id, prefill, now)
         pending = self.precise.dispatched(worker_id, prompt.tokens, now) if prompt.tokens is not None else None
-        return Booking(decision, prompt, ticket, pending)
+        tier = ""
+        if prompt.adapter:
+            load = self.board.get(worker_id)
+            wait = self.adapters.slot_wait_s(worker_id, prompt.adapter, load.service_s) if load is not None else 0.0
+            tier = self.adapters.dispatched(worker_id, prompt.adapter, wait)
+        return Booking(decision, prompt, ticket, pending, tier)
 
     def first_byte(self, booking: Booking, now: float) -> None:
         """The worker started answering: the request's prefill is done."""
@@ -324,6 +344,8 @@ class Balancer:
 
         ``cached_tokens`` None (a backend that does not report it) teaches only the token ratio.
         """
+        if booking.adapter_tier and not booking.ticket.finished:
+            self.adapters.finished(booking.decision.worker_id, booking.prompt.adapter or "")
         self.board.finish(booking.ticket, now)
         if booking.pending is not None:
             self.precise.finished(booking.pending, now)
@@ -384,4 +406,7 @@ class Balancer:
 
     def apply_report(self, report: LoadReport, now: float) -> bool:
         """Apply a worker's load report (ignored for unknown workers or when stale)."""
-        return self.board.apply_report(report, now)
+        if not self.board.apply_report(report, now):
+            return False
+        self.adapters.apply_report(report)
+        return True

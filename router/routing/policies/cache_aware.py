@@ -85,7 +85,7 @@ class CacheAware(Policy):
             full = prefill_seconds(prompt, 0, rate, knee)
             cached = matched[i]
             actual = prefill_seconds(prompt - cached, cached, rate, knee) if cached > 0 else full
-            cost = c.pending_s + fair_share_wait_s(c.in_system, c.service_s, bound)
+            cost = c.pending_s + c.adapter_s + fair_share_wait_s(c.in_system, c.service_s, bound)
             if i != owner:
                 cost += full - shared_weight * (full - actual)
             elif follow_cache:
