@@ -20,7 +20,8 @@ ENV_PREFIX = "PREFIXLB_SIM_"
 class SimSettings:
     """A fleet simulation: workload, fleet, router."""
 
-    workload: str = setting("system-prompt", "system-prompt | doc-qa | multi-turn | mooncake:FILE | azure:FILE")
+    workload: str = setting("system-prompt", "system-prompt | doc-qa | multi-turn | multi-lora | mooncake:FILE | "
+                            "azure:FILE")
     workload_opt: list[str] = setting(list, "workload option key=value (repeatable)", flag="--workload-opt")
     seed: int = setting(0, "seed: the workload is deterministic given it")
     num_requests: int | None = setting(None, "number of requests (default: the workload's own)", minimum=1)
@@ -42,6 +43,11 @@ class SimSettings:
     affinity: float = setting(DEFAULT_AFFINITY, "cache_aware affinity strength", minimum=0.0, maximum=1.0)
     report_interval: float = setting(0.5, "seconds between workers' load reports (0: none)", minimum=0.0)
     upper_bound: bool = setting(False, "one worker with the whole fleet's capacity and compute")
+    max_loras: int = setting(8, "LoRA GPU slots per worker (workloads with adapters)", minimum=1)
+    max_cpu_loras: int | None = setting(None, "LoRA adapters in host memory per worker (default: 4 x --max-loras)",
+                                        minimum=1)
+    lora_rank: int = setting(16, "rank of every LoRA adapter (all seven projections)", minimum=1, maximum=1024)
+    adapter_routing: bool = setting(True, "route LoRA requests by adapter residency (off: by prefix only)")
     out: str = setting("runs/sim", "output directory")
     label: str | None = setting(None, "name of this run in reports (default: the directory name)")
 
@@ -59,8 +65,10 @@ def fleet_config(s: SimSettings, **overrides) -> FleetConfig:
     unit = s.unit or (512 if s.workload.startswith("mooncake") else 64)
     router = SimRouterConfig(policy=overrides.pop("policy", s.policy),
                              affinity=overrides.pop("affinity", s.affinity),
-                             report_interval_s=s.report_interval)
+                             report_interval_s=s.report_interval,
+                             adapter_routing=overrides.pop("adapter_routing", s.adapter_routing))
     return FleetConfig(workers=s.workers, gpu=s.gpu, model=s.sim_model, tp=s.tp, kv_blocks=s.kv_blocks,
                        block_size=s.block_size, unit=unit, max_num_seqs=s.max_num_seqs,
                        max_num_batched_tokens=s.max_num_batched_tokens, speedup=s.speedup,
-                       upper_bound=s.upper_bound, router=router, **overrides)
+                       upper_bound=s.upper_bound, max_loras=s.max_loras, max_cpu_loras=s.max_cpu_loras,
+                       lora_rank=s.lora_rank, router=router, **overrides)

@@ -34,5 +34,7 @@ def main(argv: list[str]) -> int:
     result.meta["label"] = s.label or Path(s.out).name
     summary = write_run(s.out, result.records, result.meta, fleet=list(result.meta["utilisation"]))
     print(json.dumps({k: summary[k] for k in ("requests", "errors", "hit_rate", "ttft_ms", "imbalance")}, indent=1))
+    if result.meta.get("lora"):
+        print(json.dumps({"lora": result.meta["lora"]}))
     print(f"simulated {len(workload)} requests on {s.workers} workers in {result.meta['wall_s']} s; results in {s.out}")
     return 0
