@@ -135,14 +135,15 @@ class WorkerAdapters:
     disk_load_s: float = DEFAULT_DISK_LOAD_S
     slot_load_s: float = DEFAULT_SLOT_LOAD_S
     sent: dict[str, int] = field(default_factory=dict)  # this router's requests in flight, by adapter
+    recent: dict[str, float] = field(default_factory=dict)  # adapter -> last dispatch here after its report
 
     def serves(self, adapter: str) -> bool:
         """Whether a request for ``adapter`` may go here (unknown lists: yes)."""
         return self.served is None or adapter in self.served
 
     def in_slot(self, adapter: str) -> bool:
-        """In a GPU slot by its report, or pinned there by a request of ours in flight."""
-        return adapter in self.gpu or adapter in self.sent or adapter in self.running
+        """In a GPU slot by its report, or put there by a request of ours since (running or done)."""
+        return adapter in self.gpu or adapter in self.sent or adapter in self.running or adapter in self.recent
 
     def tier(self, adapter: str) -> str:
         """Where ``adapter`` is here: ``gpu``, ``cpu`` (host memory) or ``disk``."""
@@ -167,6 +168,7 @@ class AdapterStats:
     requests: int = 0
     loads: dict[str, int] = field(default_factory=lambda: {TIER_CPU: 0, TIER_DISK: 0})
     predicted_slot_wait_s: float = 0.0
+    evictions: int = 0  # left a worker's slots between two of its reports
 
 
 class AdapterBoard:
@@ -179,8 +181,9 @@ class AdapterBoard:
         self.stats: dict[str, AdapterStats] = {}
 
     # -- reports -----------------------------------------------------------------------------
-    def apply_report(self, report: LoadReport) -> None:
-        """Take a worker's adapter picture from its load report (fields validated and bounded)."""
+    def apply_report(self, report: LoadReport, at: float) -> None:
+        """Take a worker's adapter picture from its load report, stamped ``at`` (fields validated
+        and bounded); what this router sent there after ``at`` stays known as in a slot."""
         old = self._workers.get(report.worker_id)
         max_loras = report.max_loras if isinstance(report.max_loras, int) and report.max_loras > 0 else 0
         served = _names(report.lora_adapters)
@@ -197,9 +200,15 @@ class AdapterBoard:
             cpu=frozenset(cpu), running=running, waiting=waiting,
             disk_load_s=_seconds(report.lora_disk_load_s, old.disk_load_s if old else DEFAULT_DISK_LOAD_S),
             slot_load_s=_seconds(report.lora_slot_load_s, old.slot_load_s if old else DEFAULT_SLOT_LOAD_S),
-            sent=old.sent if old is not None else {})
+            sent=old.sent if old is not None else {},
+            recent={a: t for a, t in old.recent.items() if t > at} if old is not None else {})
         self._set_known(report.worker_id, old, w)
         self._workers[report.worker_id] = w
+        if old is not None:
+            for name in old.gpu - w.gpu:
+                stats = self._stats(name)
+                if stats is not None:
+                    stats.evictions += 1
 
     def remove_worker(self, worker_id: str) -> None:
         """Forget a worker's adapters (it left the fleet)."""
@@ -232,6 +241,18 @@ class AdapterBoard:
         """A worker's adapter picture (None: it reported none)."""
         return self._workers.get(worker_id)
 
+    def residency(self) -> dict[str, tuple[int, int]]:
+        """Per known adapter: (workers with it in a slot, workers with it in host memory only)."""
+        out: dict[str, list[int]] = {}
+        for w in self._workers.values():
+            for name in w.gpu | w.sent.keys() | w.running.keys() | w.recent.keys():
+                if name in self._known:
+                    out.setdefault(name, [0, 0])[0] += 1
+            for name in w.cpu:
+                if name in self._known and not w.in_slot(name):
+                    out.setdefault(name, [0, 0])[1] += 1
+        return {name: (gpu, cpu) for name, (gpu, cpu) in out.items()}
+
     def demand(self, adapter: str) -> int:
         """Requests for ``adapter`` in flight: this router's, or the workers' reports if more."""
         reported = 0
@@ -251,13 +272,17 @@ class AdapterBoard:
                       exclude: AbstractSet[str], cfg: PolicyConfig) -> tuple[list[str], list[str]]:
         """(candidate worker ids, the adapter's ring successors): bounded replication, see above.
 
-        Never a worker in ``exclude``, nor one that lists its adapters without ``adapter``.
+        Never a worker in ``exclude``, nor one that lists its adapters without ``adapter`` (unless
+        none serves it: then its home, whose answer says so).
         """
         ring = view.ring
         board = view.board
         workers = self._workers
-        order = [w for w in ring.walk(adapter_ring_key(adapter))
-                 if w not in exclude and (w not in workers or workers[w].serves(adapter))]
+        key = adapter_ring_key(adapter)
+        order = [w for w in ring.walk(key) if w not in exclude and (w not in workers or workers[w].serves(adapter))]
+        if not order:
+            # No worker serves it: its home answers (a 4xx naming the adapters it has), not a 503.
+            order = [w for w in ring.walk(key) if w not in exclude]
         n = len(ring)
         share = hash_load_bound(max(board.total_in_system, n - 1), n, cfg.hash_load_factor)
         k = replicas(self.demand(adapter), share, cfg.adapter_spare, len(order))
@@ -280,12 +305,13 @@ class AdapterBoard:
         return list(ids), successors
 
     # -- bookkeeping -------------------------------------------------------------------------
-    def dispatched(self, worker_id: str, adapter: str, predicted_wait_s: float) -> str:
-        """A request for ``adapter`` went to ``worker_id``; returns the tier it was in there."""
+    def dispatched(self, worker_id: str, adapter: str, predicted_wait_s: float, now: float) -> str:
+        """A request for ``adapter`` went to ``worker_id`` at ``now``; returns the tier it was in there."""
         w = self._workers.get(worker_id)
         tier = w.tier(adapter) if w is not None else TIER_GPU
         if w is not None:
             w.sent[adapter] = w.sent.get(adapter, 0) + 1
+            w.recent[adapter] = now
         self._inflight[adapter] = self._inflight.get(adapter, 0) + 1
         stats = self._stats(adapter)
         if stats is not None:

@@ -332,7 +332,7 @@ class Balancer:
         if prompt.adapter:
             load = self.board.get(worker_id)
             wait = self.adapters.slot_wait_s(worker_id, prompt.adapter, load.service_s) if load is not None else 0.0
-            tier = self.adapters.dispatched(worker_id, prompt.adapter, wait)
+            tier = self.adapters.dispatched(worker_id, prompt.adapter, wait, now)
         return Booking(decision, prompt, ticket, pending, tier)
 
     def first_byte(self, booking: Booking, now: float) -> None:
@@ -408,5 +408,5 @@ class Balancer:
         """Apply a worker's load report (ignored for unknown workers or when stale)."""
         if not self.board.apply_report(report, now):
             return False
-        self.adapters.apply_report(report)
+        self.adapters.apply_report(report, min(now, report.ts))
         return True

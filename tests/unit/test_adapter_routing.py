@@ -31,7 +31,7 @@ def report(worker_id: str, gpu=(), cpu=(), running=None, waiting=None, max_loras
     extra.setdefault("running", sum((running or {}).values()))
     return LoadReport(worker_id=worker_id, max_loras=max_loras, lora_adapters=dict(adapters), lora_gpu=list(gpu),
                       lora_cpu=list(cpu), lora_running=dict(running or {}), lora_waiting=dict(waiting or {}),
-                      lora_disk_load_s=0.05, lora_slot_load_s=0.004, ts=0.0, **extra)
+                      lora_disk_load_s=0.05, lora_slot_load_s=0.004, **{"ts": 0.0, **extra})
 
 
 def key(adapter: str | None, question: str = "what is due?", model: str = "base") -> PromptKey:
@@ -65,7 +65,7 @@ def test_slot_wait_counts_each_adapter_ahead_beyond_the_slots_at_one_service_tim
 
 def test_ready_time_is_zero_in_a_slot_a_copy_from_host_memory_a_disk_read_plus_a_copy_from_disk():
     board = AdapterBoard()
-    board.apply_report(report("w1", gpu=["tenant-0"], cpu=["tenant-1"]))
+    board.apply_report(at=0.0, report=report("w1", gpu=["tenant-0"], cpu=["tenant-1"]))
     assert board.ready_s("w1", "tenant-0", service_s=2.0) == 0.0
     assert math.isclose(board.ready_s("w1", "tenant-1", service_s=2.0), 0.004)
     assert math.isclose(board.ready_s("w1", "tenant-2", service_s=2.0), 0.054)
@@ -73,7 +73,7 @@ def test_ready_time_is_zero_in_a_slot_a_copy_from_host_memory_a_disk_read_plus_a
 
 def test_a_worker_whose_slots_are_pinned_by_running_adapters_adds_the_slot_wait_for_a_new_one():
     board = AdapterBoard()
-    board.apply_report(report("w1", gpu=["tenant-0", "tenant-1"], running={"tenant-0": 3, "tenant-1": 1},
+    board.apply_report(at=0.0, report=report("w1", gpu=["tenant-0", "tenant-1"], running={"tenant-0": 3, "tenant-1": 1},
                               waiting={"tenant-5": 2}))
     # 2 busy slots + tenant-5 already blocked + this one = 4 adapters for 2 slots: 2 ahead, 2 x 2 s / 2.
     assert math.isclose(board.ready_s("w1", "tenant-2", service_s=2.0), 0.054 + 2.0)
@@ -159,6 +159,13 @@ def test_a_worker_that_lists_its_adapters_without_this_one_never_takes_its_reque
         assert b.decide(key("tenant-4", question=f"q{i}"), now=0.0).worker_id != home
 
 
+def test_an_adapter_no_worker_serves_goes_to_its_home_which_answers_for_it():
+    b = make()
+    for w in WORKERS:
+        b.apply_report(report(w), now=0.0)
+    assert b.decide(key("no-such-adapter"), now=0.0).worker_id == home_of(b, "no-such-adapter")
+
+
 def test_model_naming_an_adapter_a_worker_reports_is_routed_as_that_adapter():
     b = make()
     home = home_of(b, "tenant-3")
@@ -190,11 +197,18 @@ def test_dispatches_count_requests_and_the_loads_they_cause_by_tier_and_finishin
     assert b.adapters.get(home).sent == {"tenant-2": 1}
     b.finish(k2, now=1.0)
     assert b.adapters.get(home).sent == {} and b.adapters.demand("tenant-2") == 0
+    # Done, but put in a slot after the worker's last report: still taken as there (the next
+    # request loads nothing), until a report stamped after the dispatch says otherwise.
+    assert b.adapters.get(home).in_slot("tenant-2")
+    b.apply_report(report(home, ts=-1.0), now=1.5)   # stamped before the dispatch: no news
+    assert b.adapters.get(home).in_slot("tenant-2")
+    b.apply_report(report(home, ts=2.0), now=2.0)
+    assert not b.adapters.get(home).in_slot("tenant-2")
 
 
 def test_reports_are_untrusted_bad_names_dropped_slots_bounded_by_max_loras_times_clamped():
     board = AdapterBoard()
-    board.apply_report(LoadReport(
+    board.apply_report(at=0.0, report=LoadReport(
         worker_id="w1", max_loras=2, lora_adapters={"ok": "1", "x" * 300: "2"},
         lora_gpu=["a", "b", "c", "d"], lora_cpu=["", "e"], lora_running={"a": 5, "b": -3, "c": True},
         lora_disk_load_s=1e9, lora_slot_load_s=float("nan")))
@@ -204,14 +218,14 @@ def test_reports_are_untrusted_bad_names_dropped_slots_bounded_by_max_loras_time
     assert w.running == {"a": 5}
     assert w.disk_load_s == MAX_LOAD_S and w.slot_load_s > 0
     # A report with no adapters forgets the worker's picture, and its names.
-    board.apply_report(LoadReport(worker_id="w1"))
+    board.apply_report(LoadReport(worker_id="w1"), at=0.0)
     assert board.get("w1") is None and not board.knows("a")
 
 
 def test_one_workers_report_changes_only_its_own_entry():
     board = AdapterBoard()
-    board.apply_report(report("w1", gpu=["tenant-1"]))
-    board.apply_report(report("w2", gpu=["tenant-1", "tenant-2"], max_loras=1))
+    board.apply_report(at=0.0, report=report("w1", gpu=["tenant-1"]))
+    board.apply_report(at=0.0, report=report("w2", gpu=["tenant-1", "tenant-2"], max_loras=1))
     assert board.get("w1").gpu == {"tenant-1"}
     assert board.get("w2").gpu == {"tenant-1"}
     assert board.get("w2").disk_load_s == 0.05 != DEFAULT_DISK_LOAD_S
