@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AbstractSet, Mapping
+from typing import TYPE_CHECKING, AbstractSet
 
 import xxhash
 
@@ -54,7 +54,7 @@ from router.routing.policy import PolicyConfig, hash_load_bound
 
 if TYPE_CHECKING:
     from router.routing.balancer import Balancer
-    from router.routing.prompt import PromptKey
+    from router.routing.load import LoadBoard
 
 MAX_ADAPTER_NAME = 256
 MAX_ADAPTERS_PER_WORKER = 4096  # names taken from one report at most
@@ -178,6 +178,7 @@ class AdapterBoard:
         self._workers: dict[str, WorkerAdapters] = {}
         self._known: dict[str, int] = {}  # adapter -> workers that report it (any tier)
         self._inflight: dict[str, int] = {}  # adapter -> this router's requests in flight
+        self._reported: dict[str, int] = {}  # adapter -> running + waiting, summed over the reports
         self.stats: dict[str, AdapterStats] = {}
 
     # -- reports -----------------------------------------------------------------------------
@@ -220,6 +221,15 @@ class AdapterBoard:
             self._set_known(worker_id, old, None)
 
     def _set_known(self, worker_id: str, old: WorkerAdapters | None, new: WorkerAdapters | None) -> None:
+        for w, sign in ((old, -1), (new, 1)):
+            if w is not None:
+                for counts in (w.running, w.waiting):
+                    for name, n in counts.items():
+                        total = self._reported.get(name, 0) + sign * n
+                        if total > 0:
+                            self._reported[name] = total
+                        else:
+                            self._reported.pop(name, None)
         before = _held(old)
         after = _held(new)
         for name in before - after:
@@ -255,10 +265,7 @@ class AdapterBoard:
 
     def demand(self, adapter: str) -> int:
         """Requests for ``adapter`` in flight: this router's, or the workers' reports if more."""
-        reported = 0
-        for w in self._workers.values():
-            reported += w.running.get(adapter, 0) + w.waiting.get(adapter, 0)
-        return max(self._inflight.get(adapter, 0), reported)
+        return max(self._inflight.get(adapter, 0), self._reported.get(adapter, 0))
 
     def ready_s(self, worker_id: str, adapter: str, service_s: float) -> float:
         """Seconds before ``adapter`` can run on ``worker_id``: load plus slot wait (0 if unknown)."""
@@ -268,8 +275,8 @@ class AdapterBoard:
         load, wait = w.ready_s(adapter, service_s)
         return load + wait
 
-    def candidate_ids(self, view: Balancer, prompt: PromptKey, adapter: str, matches: Mapping[str, int],
-                      exclude: AbstractSet[str], cfg: PolicyConfig) -> tuple[list[str], list[str]]:
+    def candidate_ids(self, view: Balancer, adapter: str, exclude: AbstractSet[str],
+                      cfg: PolicyConfig) -> tuple[list[str], list[str]]:
         """(candidate worker ids, the adapter's ring successors): bounded replication, see above.
 
         Never a worker in ``exclude``, nor one that lists its adapters without ``adapter`` (unless
@@ -279,21 +286,27 @@ class AdapterBoard:
         board = view.board
         workers = self._workers
         key = adapter_ring_key(adapter)
-        order = [w for w in ring.walk(key) if w not in exclude and (w not in workers or workers[w].serves(adapter))]
-        if not order:
-            # No worker serves it: its home answers (a 4xx naming the adapters it has), not a 503.
-            order = [w for w in ring.walk(key) if w not in exclude]
         n = len(ring)
         share = hash_load_bound(max(board.total_in_system, n - 1), n, cfg.hash_load_factor)
-        k = replicas(self.demand(adapter), share, cfg.adapter_spare, len(order))
+        k = replicas(self.demand(adapter), share, cfg.adapter_spare, n)
         successors: list[str] = []
-        for worker_id in order:
+        served = False
+        for worker_id in ring.walk(key):  # lazily: a decision looks at about k workers
+            if worker_id in exclude:
+                continue
+            w = workers.get(worker_id)
+            if w is not None and not w.serves(adapter):
+                continue
+            served = True
             load = board.get(worker_id)
             if load is not None and load.over_limit():
                 continue  # at its hard limit: the next worker on the ring takes its place
             successors.append(worker_id)
             if len(successors) == k:
                 break
+        if not served:
+            # No worker serves it: its home answers (a 4xx naming the adapters it has), not a 503.
+            successors = [w for w in ring.successors(key, 1 + len(exclude)) if w not in exclude][:1]
         ids = dict.fromkeys(successors)
         # Workers with the adapter in a slot now (placed there while its traffic was higher, or
         # loaded at start) serve it without a load: scored too, never beyond their hard limit.
@@ -305,11 +318,15 @@ class AdapterBoard:
         return list(ids), successors
 
     # -- bookkeeping -------------------------------------------------------------------------
-    def dispatched(self, worker_id: str, adapter: str, predicted_wait_s: float, now: float) -> str:
+    def dispatched(self, worker_id: str, adapter: str, board: LoadBoard, now: float) -> str:
         """A request for ``adapter`` went to ``worker_id`` at ``now``; returns the tier it was in there."""
         w = self._workers.get(worker_id)
         tier = w.tier(adapter) if w is not None else TIER_GPU
+        predicted_wait_s = 0.0
         if w is not None:
+            load = board.get(worker_id)
+            if load is not None:
+                predicted_wait_s = w.ready_s(adapter, load.service_s)[1]
             w.sent[adapter] = w.sent.get(adapter, 0) + 1
             w.recent[adapter] = now
         self._inflight[adapter] = self._inflight.get(adapter, 0) + 1
@@ -327,11 +344,6 @@ class AdapterBoard:
         if w is not None:
             _decrement(w.sent, adapter)
         _decrement(self._inflight, adapter)
-
-    def slot_wait_s(self, worker_id: str, adapter: str, service_s: float) -> float:
-        """The slot-wait part of :meth:`ready_s` (for the metrics)."""
-        w = self._workers.get(worker_id)
-        return w.ready_s(adapter, service_s)[1] if w is not None else 0.0
 
     def _stats(self, adapter: str) -> AdapterStats | None:
         stats = self.stats.get(adapter)

@@ -263,8 +263,7 @@ class Balancer:
         adapter = prompt.adapter if self.config.adapter_routing else None
         return Candidate(worker_id=worker_id, cached_tokens=cached,
                          pending_s=w.pending_s(now), tokens_per_s=w.rate(), in_system=w.in_system,
-                         over_limit=w.over_limit(), ring_rank=ring_rank, matched_chunks=matched,
-                         service_s=w.service_s,
+                         over_limit=w.over_limit(), ring_rank=ring_rank, matched_chunks=matched, service_s=w.service_s,
                          adapter_s=self.adapters.ready_s(worker_id, adapter, w.service_s) if adapter else 0.0)
 
     def candidate_set(self, prompt: PromptKey, matches: Mapping[str, int], prompt_tokens: int,
@@ -278,7 +277,7 @@ class Balancer:
         """
         adapter = prompt.adapter if cfg.adapter_routing else None
         if adapter:
-            ids, successors = self.adapters.candidate_ids(self, prompt, adapter, matches, exclude, cfg)
+            ids, successors = self.adapters.candidate_ids(self, adapter, exclude, cfg)
         else:
             ids, successors = self.candidate_ids(prompt, matches, now, exclude, cfg)
         adapters = self.adapters
@@ -328,11 +327,7 @@ class Balancer:
         prefill = max(1, decision.prompt_tokens - decision.predicted_cached_tokens)
         ticket = self.board.dispatch(worker_id, prefill, now)
         pending = self.precise.dispatched(worker_id, prompt.tokens, now) if prompt.tokens is not None else None
-        tier = ""
-        if prompt.adapter:
-            load = self.board.get(worker_id)
-            wait = self.adapters.slot_wait_s(worker_id, prompt.adapter, load.service_s) if load is not None else 0.0
-            tier = self.adapters.dispatched(worker_id, prompt.adapter, wait, now)
+        tier = self.adapters.dispatched(worker_id, prompt.adapter, self.board, now) if prompt.adapter else ""
         return Booking(decision, prompt, ticket, pending, tier)
 
     def first_byte(self, booking: Booking, now: float) -> None:

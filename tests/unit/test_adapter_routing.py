@@ -222,6 +222,17 @@ def test_reports_are_untrusted_bad_names_dropped_slots_bounded_by_max_loras_time
     assert board.get("w1") is None and not board.knows("a")
 
 
+def test_demand_is_the_larger_of_this_routers_requests_in_flight_and_what_the_workers_report():
+    board = AdapterBoard()
+    board.apply_report(report("w1", running={"tenant-1": 3}, waiting={"tenant-1": 1}), at=0.0)
+    board.apply_report(report("w2", running={"tenant-1": 2}), at=0.0)
+    assert board.demand("tenant-1") == 6      # another router's requests show in the reports
+    board.apply_report(report("w1"), at=1.0)  # they finished
+    assert board.demand("tenant-1") == 2
+    board.remove_worker("w2")
+    assert board.demand("tenant-1") == 0
+
+
 def test_one_workers_report_changes_only_its_own_entry():
     board = AdapterBoard()
     board.apply_report(at=0.0, report=report("w1", gpu=["tenant-1"]))
