@@ -121,3 +121,40 @@ def test_adapter_aware_routing_loads_adapters_far_less_often_than_prefix_routing
     # (measured: 503 slot loads and 110 disk reads, against 978 / 374 and 983 / 419)
     assert aware["slot_loads"] < 0.6 * min(prefix_only["slot_loads"], rr["slot_loads"])
     assert aware["disk_loads"] < 0.5 * min(prefix_only["disk_loads"], rr["disk_loads"])
+
+
+def test_the_load_generator_names_a_requests_adapter_as_its_model():
+    import asyncio
+
+    from aiohttp import web
+
+    from bench.loadgen import LoadConfig, run_load
+    from bench.workloads import RequestSpec, TextSource, Workload
+
+    models: list[str] = []
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        models.append((await request.json())["model"])
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices":[{"text":"a"}],"usage":null}\n\ndata: [DONE]\n\n')
+        return resp
+
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            wl = Workload("t", [RequestSpec(0, 0.0, ((1, 2),), 1, adapter="tenant-3"),
+                                RequestSpec(1, 0.0, ((2, 2),), 1)])
+            await run_load(wl, LoadConfig(target=f"http://127.0.0.1:{port}", model="base", progress=False),
+                           TextSource())
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
+    assert sorted(models) == ["base", "tenant-3"]
