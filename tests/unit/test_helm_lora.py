@@ -48,3 +48,18 @@ def test_a_misspelt_lora_key_or_an_adapter_name_with_an_equals_sign_fails_the_sc
                    {"worker": {"lora": {"adapters": [{"name": "a=b", "path": "x"}]}}}):
         with pytest.raises(helm.HelmError):
             render_chart(values)
+
+
+def test_the_routers_adapter_placement_knobs_reach_their_settings_and_default_to_the_routers_own():
+    from router.config import RouterConfig
+
+    from tests.deploy_support import load_router_config
+
+    def router_cfg(values):
+        return load_router_config(container(find(render_chart(values), "Deployment", "-router"), "router")["args"])
+
+    cfg = router_cfg({"router": {"adapterRouting": False, "adapterSpare": 3}})
+    assert (cfg.adapter_routing, cfg.adapter_spare) == (False, 3)
+    cfg = router_cfg({})
+    assert (cfg.adapter_routing, cfg.adapter_spare) == (RouterConfig().adapter_routing, RouterConfig().adapter_spare)
+    assert router_cfg({"router": {"adapterRouting": True}}).adapter_routing is True

@@ -27,6 +27,10 @@ whole numbers are printed as integers.
 {{- $acc := dict "args" (list "--host=0.0.0.0" (printf "--port=%d" (int $r.port))) -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--policy" "value" $r.policy) -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--affinity" "value" $r.affinity) -}}
+{{- if eq (toString $r.adapterRouting) "false" -}}
+{{- $_ := set $acc "args" (append $acc.args "--no-adapter-routing") -}}
+{{- end -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--adapter-spare" "value" $r.adapterSpare) -}}
 {{- range $r.sessionHeaders -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--session-header" "value" .) -}}
 {{- end -}}
