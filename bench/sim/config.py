@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from protocol.settings import setting
 from router.routing.policies import policy_names
-from router.routing.policy import DEFAULT_AFFINITY, DEFAULT_POLICY
+from router.routing.policy import DEFAULT_AFFINITY, DEFAULT_POLICY, PolicyConfig
 from worker.simulator.profiles import SIM_MAX_NUM_BATCHED_TOKENS, SIM_MAX_NUM_SEQS
 
 from bench.sim.fleet import FleetConfig
@@ -48,6 +48,8 @@ class SimSettings:
                                         minimum=1)
     lora_rank: int = setting(16, "rank of every LoRA adapter (all seven projections)", minimum=1, maximum=1024)
     adapter_routing: bool = setting(True, "route LoRA requests by adapter residency (off: by prefix only)")
+    adapter_spare: int = setting(PolicyConfig().adapter_spare, "workers a LoRA adapter may use beyond what its "
+                                 "traffic needs", minimum=0, maximum=1024)
     out: str = setting("runs/sim", "output directory")
     label: str | None = setting(None, "name of this run in reports (default: the directory name)")
 
@@ -66,7 +68,8 @@ def fleet_config(s: SimSettings, **overrides) -> FleetConfig:
     router = SimRouterConfig(policy=overrides.pop("policy", s.policy),
                              affinity=overrides.pop("affinity", s.affinity),
                              report_interval_s=s.report_interval,
-                             adapter_routing=overrides.pop("adapter_routing", s.adapter_routing))
+                             adapter_routing=overrides.pop("adapter_routing", s.adapter_routing),
+                             adapter_spare=overrides.pop("adapter_spare", s.adapter_spare))
     return FleetConfig(workers=s.workers, gpu=s.gpu, model=s.sim_model, tp=s.tp, kv_blocks=s.kv_blocks,
                        block_size=s.block_size, unit=unit, max_num_seqs=s.max_num_seqs,
                        max_num_batched_tokens=s.max_num_batched_tokens, speedup=s.speedup,

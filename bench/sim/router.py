@@ -43,6 +43,7 @@ class SimRouterConfig:
     # identical GPUs; the report's "control" rows).
     speed_report: str = "measured"
     adapter_routing: bool = True  # LoRA requests: the router's adapter-aware placement (router/routing/adapters.py)
+    adapter_spare: int = PolicyConfig().adapter_spare  # workers an adapter may use beyond its traffic's need
 
 
 class SimRouter:
@@ -57,7 +58,8 @@ class SimRouter:
                                        max_num_batched_tokens=w0.max_num_batched_tokens,
                                        max_num_seqs=w0.max_num_seqs, block_size=block_size))
         self.balancer = Balancer(PolicyConfig(policy=cfg.policy, affinity=cfg.affinity,
-                                                      adapter_routing=cfg.adapter_routing), chunk_size=unit,
+                                                      adapter_routing=cfg.adapter_routing,
+                                                      adapter_spare=cfg.adapter_spare), chunk_size=unit,
                                  index=PrefixIndex(max_entries=cfg.index_entries,
                                                    optimistic_ttl_s=cfg.optimistic_ttl_s),
                                  board=board, tokens_per_byte=1.0)

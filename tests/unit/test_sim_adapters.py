@@ -158,3 +158,14 @@ def test_the_load_generator_names_a_requests_adapter_as_its_model():
 
     asyncio.run(main())
     assert sorted(models) == ["base", "tenant-3"]
+
+
+def test_the_simulators_adapter_flags_reach_the_routers_policy_and_the_replicas():
+    from bench.sim.config import SimSettings, fleet_config
+    from bench.sim.router import SimRouter
+
+    cfg = fleet_config(SimSettings(workload="multi-lora", adapter_spare=0, adapter_routing=False, max_loras=3,
+                                   max_cpu_loras=5, lora_rank=8))
+    assert (cfg.max_loras, cfg.max_cpu_loras, cfg.lora_rank) == (3, 5, 8)
+    router = SimRouter([SimWorker("w", _latency(), 10, 64)], cfg.router, 64, 16, 1000.0, 0.01)
+    assert (router.balancer.config.adapter_spare, router.balancer.config.adapter_routing) == (0, False)
