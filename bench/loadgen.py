@@ -83,7 +83,8 @@ class _Stream:
 async def send_one(session: aiohttp.ClientSession, cfg: LoadConfig, spec: RequestSpec, prompt: str,
                    start: float) -> RequestRecord:
     """Send one streaming completion and record what happened (never raises)."""
-    body = {"model": cfg.model, "prompt": prompt, "max_tokens": spec.max_tokens, "stream": True,
+    # A request for a LoRA adapter names it as its model (vLLM's convention).
+    body = {"model": spec.adapter or cfg.model, "prompt": prompt, "max_tokens": spec.max_tokens, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0.0}
     headers = dict(cfg.headers)
     if spec.session:

@@ -4,7 +4,8 @@
    16 workers (same KV per worker, arrivals sped up in proportion so each worker sees the same
    load), and the generated workloads on 8 workers; prefixlb's policies (cache_aware at several
    affinities, least_load, consistent_hash, round_robin) and the upper bound (one worker with the
-   fleet's capacity and compute).
+   fleet's capacity and compute); and the multi-LoRA workload through adapter-aware and
+   prefix-only ``cache_aware`` and ``round_robin`` (``bench/lora_routing.py``).
 2. **HTTP replay** of the trace: real processes over loopback, simulated workers running
    ``time_scale`` times faster than real time, the bench's load generator; a fresh fleet (empty
    caches) per router: prefixlb (each policy, with Redis for KV events and load reports),
@@ -29,6 +30,7 @@ from pathlib import Path
 
 from bench.cluster import ClusterError, cluster
 from bench.loadgen import LoadConfig, run_load
+from bench.lora_routing import lora_section
 from bench.peers.launch import PeerError
 from bench.report import table, write_run
 from bench.stats import send_lag
@@ -71,6 +73,8 @@ class ReportPlan:
     affinities: tuple[float, ...] = AFFINITIES
     num_requests: int | None = None
     generated_requests: int = 4000
+    lora_requests: int = 10_000  # the multi-LoRA tables (0: skipped)
+    lora_rates: tuple[float, ...] = (100.0, 200.0)
     http: bool = True
     peers: bool = True
     sim: bool = True
@@ -360,6 +364,8 @@ def run_report(plan: ReportPlan) -> str:
             wl = load_workload(name, plan.seed, plan.generated_requests, opts)
             rows = sim_scenario(plan, name, wl, plan.workers, 64, 1.0)
             lines += section(f"Simulator: {name} ({', '.join(opts)}), {plan.workers} workers", rows, http=False)
+        if plan.lora_requests > 0:
+            lines += lora_section(plan.lora_requests, plan.lora_rates, plan.out / "sim" / "multi-lora", plan.seed)
         (plan.out / "report.md").write_text("\n".join(lines) + "\n")
     http_rows: list[tuple[str, dict, dict]] = []
     if plan.http_from is not None:
@@ -406,6 +412,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--num-requests", type=int, default=None, help="replay only the first N requests")
     p.add_argument("--generated-requests", type=int, default=4000, help="0 skips the generated workloads")
     p.add_argument("--fleet-sizes", default="4,8,16", help="simulated fleet sizes for the trace")
+    p.add_argument("--lora-requests", type=int, default=10_000, help="0 skips the multi-LoRA tables")
     p.add_argument("--no-http", action="store_true", help="simulator only")
     p.add_argument("--no-sim", action="store_true", help="HTTP replay only")
     p.add_argument("--no-peers", action="store_true", help="skip sglang-router and vllm-router")
@@ -424,6 +431,7 @@ def main(argv: list[str]) -> int:
                       time_scale=args.time_scale,
                       affinities=tuple(float(a) for a in args.affinities.split(",") if a.strip()),
                       num_requests=args.num_requests, generated_requests=args.generated_requests,
+                      lora_requests=args.lora_requests,
                       http=not args.no_http, peers=not args.no_peers, sim=not args.no_sim,
                       redis=args.redis or None, out=Path(args.out),
                       http_policies=tuple(x for x in args.http_policies.split(",") if x),

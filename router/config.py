@@ -82,6 +82,11 @@ class RouterConfig:
     load_candidates: int = setting(_POLICY.load_candidates, "least-loaded workers a decision considers", minimum=0)
     match_candidates: int = setting(_POLICY.match_candidates, "most prefix holders a decision considers (the longest matches)",
                                     minimum=1)
+    adapter_routing: bool = setting(_POLICY.adapter_routing, "LoRA requests: add the adapter's load and slot wait "
+                                    "to the predicted TTFT and keep each adapter on the workers its traffic needs "
+                                    "(docs/lora.md, \"Routing by adapter\"); off: by prefix only")
+    adapter_spare: int = setting(_POLICY.adapter_spare, "workers an adapter may run on beyond what its traffic "
+                                 "needs (a busy home's spill)", minimum=0, maximum=1024)
     vnodes: int = setting(DEFAULT_VNODES, "virtual nodes per worker on the ring", minimum=1)
     tokens_per_byte: float = setting(DEFAULT_TOKENS_PER_BYTE, "tokens per rendered byte until learned from the workers",
                                      minimum=0.001, maximum=4.0)
@@ -157,7 +162,8 @@ class RouterConfig:
         return PolicyConfig(policy=self.policy, affinity=self.affinity, tie_tolerance=self.tie_tolerance,
                             attention_knee_tokens=self.attention_knee_tokens,
                             hash_load_factor=self.hash_load_factor, ring_candidates=self.ring_candidates,
-                            load_candidates=self.load_candidates, match_candidates=self.match_candidates)
+                            load_candidates=self.load_candidates, match_candidates=self.match_candidates,
+                            adapter_routing=self.adapter_routing, adapter_spare=self.adapter_spare)
 
     def speed_profile(self) -> SpeedProfile:
         """The speed assumed for a worker until its reports say otherwise."""

@@ -29,6 +29,7 @@ from router.fleet.health import HealthChecker
 from router.fleet.kv_subscriber import KVEventSubscriber
 from router.routing.index import PrefixIndex
 from router.routing.load import LoadBoard
+from router.lora_metrics import adapter_metrics
 from router.metrics import RouterMetrics
 from router.fleet.prewarm import HotPrefixes, Prewarmer
 from router.http.proxy import Proxy
@@ -263,6 +264,7 @@ def build_context(cfg: RouterConfig) -> RouterContext:
     ctx.costs = CostAccounting(book)
     ctx.virtual_metrics = VirtualModelMetrics(metrics.registry)
     metrics.add_state(ctx.costs.families)
+    metrics.add_state(lambda: adapter_metrics(balancer.adapters))
     registry.on_added.append(ctx.subscribe_kv_events)
     registry.on_removed.append(ctx.unsubscribe_kv_events)
     for text in cfg.workers:

@@ -31,6 +31,7 @@ from worker.engine.kv_cache.kv_tier import KVTier
 from worker.simulator.latency import LatencyModel, StepShape
 
 from bench.sim.decode_run import observe_decode_run
+from bench.sim.lora import SimLoRA
 from bench.sim.worker import SimRequest, SimWorker, is_decode
 
 
@@ -43,11 +44,12 @@ class AggregateWorker(SimWorker):
 
     def __init__(self, worker_id: str, latency: LatencyModel, num_blocks: int, unit: int,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
-                 enable_caching: bool = True, decode_runs: bool = True, tier: KVTier | None = None) -> None:
+                 enable_caching: bool = True, decode_runs: bool = True, tier: KVTier | None = None,
+                 lora: SimLoRA | None = None, lora_params: float = 0.0) -> None:
         if max_num_seqs > max_num_batched_tokens:
             raise ValueError("AggregateWorker needs max_num_seqs <= max_num_batched_tokens")
         super().__init__(worker_id, latency, num_blocks, unit, max_num_seqs, max_num_batched_tokens,
-                         enable_caching, decode_runs, tier)
+                         enable_caching, decode_runs, tier, lora, lora_params)
         self._tick = 0  # decode steps this replica has run: the decoding requests' shared clock
         self._ndec = 0  # running[:_ndec] are decoding
         self._dseq = 0
@@ -112,6 +114,8 @@ class AggregateWorker(SimWorker):
         ctx = self.running_tokens  # every running request is decoding
         c0 = self._c_tok * b + self._c_ctx * ctx
         m0 = self._m_base + self._m_ctx * ctx
+        if self.lora is not None:
+            c0, m0 = self._with_lora(c0, m0, b)
         return (c0, self._c_ctx * b, m0, self._m_ctx * b, k)
 
     def on_event(self, now: float) -> float | None:
@@ -223,12 +227,12 @@ class AggregateWorker(SimWorker):
 
 def make_worker(worker_id: str, latency: LatencyModel, num_blocks: int, unit: int, max_num_seqs: int,
                 max_num_batched_tokens: int, decode_runs: bool = True, aggregate: bool = True,
-                tier: KVTier | None = None) -> SimWorker:
+                tier: KVTier | None = None, lora: SimLoRA | None = None, lora_params: float = 0.0) -> SimWorker:
     """A replica: :class:`AggregateWorker` when it applies and is asked for, else the reference
-    (``tier``: its CPU KV tier, None: none)."""
+    (``tier``: its CPU KV tier, None: none; ``lora``: its adapter slots, None: base model only)."""
     cls = AggregateWorker if aggregate and max_num_seqs <= max_num_batched_tokens else SimWorker
     return cls(worker_id, latency, num_blocks, unit, max_num_seqs, max_num_batched_tokens,
-               decode_runs=decode_runs, tier=tier)
+               decode_runs=decode_runs, tier=tier, lora=lora, lora_params=lora_params)
 
 
 __all__ = ["AggregateWorker", "make_worker"]

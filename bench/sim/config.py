@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from protocol.settings import setting
 from router.routing.policies import policy_names
-from router.routing.policy import DEFAULT_AFFINITY, DEFAULT_POLICY
+from router.routing.policy import DEFAULT_AFFINITY, DEFAULT_POLICY, PolicyConfig
 from worker.simulator.profiles import SIM_MAX_NUM_BATCHED_TOKENS, SIM_MAX_NUM_SEQS
 
 from bench.sim.fleet import FleetConfig
@@ -20,7 +20,8 @@ ENV_PREFIX = "PREFIXLB_SIM_"
 class SimSettings:
     """A fleet simulation: workload, fleet, router."""
 
-    workload: str = setting("system-prompt", "system-prompt | doc-qa | multi-turn | conversation | mooncake:FILE | azure:FILE")
+    workload: str = setting("system-prompt", "system-prompt | doc-qa | multi-turn | conversation | multi-lora | "
+                            "mooncake:FILE | azure:FILE")
     workload_opt: list[str] = setting(list, "workload option key=value (repeatable)", flag="--workload-opt")
     seed: int = setting(0, "seed: the workload is deterministic given it")
     num_requests: int | None = setting(None, "number of requests (default: the workload's own)", minimum=1)
@@ -53,6 +54,13 @@ class SimSettings:
                                   minimum=0.0, maximum=1000.0)
     cpu_kv_policy: str = setting("write_back", "when blocks go down to the CPU tier",
                                  choices=("write_back", "write_through", "selective"))
+    max_loras: int = setting(8, "LoRA GPU slots per worker (workloads with adapters)", minimum=1)
+    max_cpu_loras: int | None = setting(None, "LoRA adapters in host memory per worker (default: 4 x --max-loras)",
+                                        minimum=1)
+    lora_rank: int = setting(16, "rank of every LoRA adapter (all seven projections)", minimum=1, maximum=1024)
+    adapter_routing: bool = setting(True, "route LoRA requests by adapter residency (off: by prefix only)")
+    adapter_spare: int = setting(PolicyConfig().adapter_spare, "workers a LoRA adapter may use beyond what its "
+                                 "traffic needs", minimum=0, maximum=1024)
     out: str = setting("runs/sim", "output directory")
     label: str | None = setting(None, "name of this run in reports (default: the directory name)")
 
@@ -71,9 +79,12 @@ def fleet_config(s: SimSettings, **overrides) -> FleetConfig:
     router = SimRouterConfig(policy=overrides.pop("policy", s.policy),
                              affinity=overrides.pop("affinity", s.affinity),
                              report_interval_s=s.report_interval, report_poll_s=s.report_poll,
-                             kv_event_delay_s=s.kv_event_delay, hop_s=s.hop, ingest_s_per_token=s.ingest)
+                             kv_event_delay_s=s.kv_event_delay, hop_s=s.hop, ingest_s_per_token=s.ingest,
+                             adapter_routing=overrides.pop("adapter_routing", s.adapter_routing),
+                             adapter_spare=overrides.pop("adapter_spare", s.adapter_spare))
     return FleetConfig(workers=s.workers, gpu=s.gpu, model=s.sim_model, tp=s.tp, kv_blocks=s.kv_blocks,
                        block_size=s.block_size, unit=unit, max_num_seqs=s.max_num_seqs,
                        max_num_batched_tokens=s.max_num_batched_tokens, speedup=s.speedup,
                        upper_bound=s.upper_bound, cpu_kv_ratio=s.cpu_kv_ratio, cpu_kv_policy=s.cpu_kv_policy,
+                       max_loras=s.max_loras, max_cpu_loras=s.max_cpu_loras, lora_rank=s.lora_rank,
                        router=router, **overrides)

@@ -2,7 +2,9 @@
 
 One event loop, no HTTP, no sleeping: arrivals come from the workload (``arrival_s / speedup``),
 each worker's next event is the end of its step (or of a run of decode steps) in a heap, and
-heartbeat load reports go to the router every ``report_interval_s``. Results are the same
+heartbeat load reports go to the router every ``report_interval_s``. A request for a LoRA adapter
+that its replica must first read from disk reaches that replica's queue after the read
+(:mod:`bench.sim.lora`). Results are the same
 :class:`~bench.records.RequestRecord` lines the HTTP load generator writes, so the same summary,
 report and ``bench compare`` apply.
 """
@@ -24,6 +26,7 @@ from protocol import LoadReport
 
 from bench.records import RequestRecord
 from bench.sim.aggregate import make_worker
+from bench.sim.lora import SimLoRA
 from bench.sim.prompt_hashes import UnitHasher
 from bench.sim.router import NoCapacity, SimRouter, SimRouterConfig
 from bench.sim.worker import SimRequest, SimWorker
@@ -51,6 +54,10 @@ class FleetConfig:
     max_model_len: int | None = None  # default: the model profile's context length
     cpu_kv_ratio: float = 0.0  # each worker's CPU KV tier, in multiples of its GPU KV (0: none)
     cpu_kv_policy: str = "write_back"
+    # LoRA adapters, for workloads whose requests name one (else unused): the engine's flags
+    max_loras: int = 8
+    max_cpu_loras: int | None = None  # default: 4 x max_loras, as the worker's
+    lora_rank: int = 16  # every adapter: this rank on all seven projections
     router: SimRouterConfig = field(default_factory=SimRouterConfig)
 
 
@@ -71,8 +78,11 @@ def build_latency(cfg: FleetConfig) -> LatencyModel:
     return LatencyModel(gpu, model, tp=cfg.tp)
 
 
-def build_workers(cfg: FleetConfig, latency: LatencyModel) -> list[SimWorker]:
-    """The replicas (one merged replica for the upper bound)."""
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def build_workers(cfg: FleetConfig, latency: LatencyModel, adapters: bool = False) -> list[SimWorker]:
+    """The replicas (one merged replica for the upper bound), with LoRA slots if ``adapters``."""
     if cfg.unit % cfg.block_size:
         raise ValueError("unit must be a multiple of block_size")
     per_worker_tokens = (cfg.kv_blocks * cfg.block_size if cfg.kv_blocks is not None
@@ -80,10 +90,19 @@ def build_workers(cfg: FleetConfig, latency: LatencyModel) -> list[SimWorker]:
     n = 1 if cfg.upper_bound else cfg.workers
     scale = cfg.workers if cfg.upper_bound else 1
     num_blocks = per_worker_tokens * scale // cfg.unit
+    params = float(latency.model.lora_params(cfg.lora_rank, LORA_TARGETS)) if adapters else 0.0
+
+    def lora() -> SimLoRA | None:
+        if not adapters:
+            return None
+        return SimLoRA(cfg.max_loras * scale, (cfg.max_cpu_loras or 4 * cfg.max_loras) * scale,
+                       latency.lora_slot_load_time(params), latency.lora_disk_load_time(params))
+
     return [make_worker(f"sim-{i}", latency, num_blocks, cfg.unit,
                         cfg.max_num_seqs * scale, cfg.max_num_batched_tokens * scale,
                         decode_runs=cfg.decode_runs, aggregate=cfg.aggregate,
-                        tier=build_tier(cfg, latency, num_blocks)) for i in range(n)]
+                        tier=build_tier(cfg, latency, num_blocks), lora=lora(), lora_params=params)
+            for i in range(n)]
 
 
 def build_tier(cfg: FleetConfig, latency: LatencyModel, gpu_blocks: int) -> KVTier | None:
@@ -117,7 +136,8 @@ def simulate(workload: Workload, cfg: FleetConfig) -> SimResult:
 def _simulate(workload: Workload, cfg: FleetConfig) -> SimResult:
     started = time.perf_counter()
     latency = build_latency(cfg)
-    workers = build_workers(cfg, latency)
+    adapters = cfg.max_loras > 0 and any(spec.adapter for spec in workload.requests)
+    workers = build_workers(cfg, latency, adapters)
     prefill_rate, decode_step = nominal_speed(latency)
     max_len = cfg.max_model_len or latency.model.max_model_len
     router = SimRouter(workers, cfg.router, cfg.unit, cfg.block_size, prefill_rate, decode_step)
@@ -161,6 +181,14 @@ def _simulate(workload: Workload, cfg: FleetConfig) -> SimResult:
         for report in latest.values():
             router.apply_report(report, at)
         latest.clear()
+
+    def arrive(wi: int, req: SimRequest, when: float) -> None:
+        nonlocal seq
+        w = workers[wi]
+        nxt = w.add(req, when)
+        if nxt is not None:
+            seq += 1
+            heappush(heap, (nxt, seq, wi, w.version))
 
     # The event loop: millions of iterations, so its names are locals and its calls few.
     def run_until(t: float) -> None:
@@ -225,7 +253,7 @@ def _simulate(workload: Workload, cfg: FleetConfig) -> SimResult:
         now = spec.arrival_s / speedup
         run_until(now)
         req = SimRequest(spec.index, now, hasher(spec.segments), spec.prompt_tokens + bos, spec.max_tokens,
-                         spec.session)
+                         spec.session, spec.adapter if adapters else None)
         requests.append(req)
         if req.num_prompt + 1 > max_len:  # the worker answers 400, as vLLM does
             req.error = f"prompt of {req.num_prompt} tokens exceeds the context length {max_len}"
@@ -240,6 +268,12 @@ def _simulate(workload: Workload, cfg: FleetConfig) -> SimResult:
             continue
         wi = by_id[decision.worker_id]
         w = workers[wi]
+        if req.lora_name is not None and w.lora is not None:
+            delay = w.lora.prefetch(req.lora_name, now)
+            if delay > 0.0:  # its adapter is read from disk first: it reaches the engine after
+                seq += 1
+                heappush(delayed, (now + delay, seq, arrive, (wi, req, now + delay)))
+                continue
         nxt = w.add(req, now)
         if nxt is not None:
             seq += 1
@@ -273,6 +307,7 @@ def _simulate(workload: Workload, cfg: FleetConfig) -> SimResult:
         "prefill_tokens_computed": sum(w.prefill_tokens_computed for w in workers),
         "kv_tier": _tier_totals(workers, latency.tp),
         "reasons": dict(sorted(router.reasons.items())),
+        "lora": _lora_meta(workers, len(requests)) if adapters else None,
         "nominal_prefill_tokens_per_s": round(prefill_rate, 1),
         "wall_s": round(time.perf_counter() - started, 3),
     }
@@ -291,3 +326,12 @@ def _tier_totals(workers: list[SimWorker], tp: int) -> dict | None:
         out[name] = sum(getattr(t.counters, name) for t in tiers) * (tp if name.startswith("bytes") else 1)
     out["bytes_moved"] = out["bytes_loaded"] + out["bytes_stored"]
     return out
+
+
+def _lora_meta(workers: list[SimWorker], num_requests: int) -> dict:
+    """Adapter loads of a run: slot loads (host -> GPU) and disk reads, in all and per 1,000 requests."""
+    slot = sum(w.lora.slot_loads for w in workers if w.lora is not None)
+    disk = sum(w.lora.disk_loads for w in workers if w.lora is not None)
+    per = 1000.0 / max(1, num_requests)
+    return {"slot_loads": slot, "disk_loads": disk, "slot_loads_per_1000": round(slot * per, 2),
+            "disk_loads_per_1000": round(disk * per, 2)}

@@ -54,6 +54,8 @@ class SimRouterConfig:
     # report the profile's nominal prefill speed (what a context-normalised measurement would give
     # identical GPUs; the report's "control" rows).
     speed_report: str = "measured"
+    adapter_routing: bool = True  # LoRA requests: the router's adapter-aware placement (router/routing/adapters.py)
+    adapter_spare: int = PolicyConfig().adapter_spare  # workers an adapter may use beyond its traffic's need
 
 
 # One HTTP hop router <-> worker on loopback, router and worker processing included (the worker's
@@ -92,7 +94,9 @@ class SimRouter:
         board = LoadBoard(SpeedProfile(prefill_tokens_per_s=prefill_tokens_per_s, decode_step_s=decode_step_s,
                                        max_num_batched_tokens=w0.max_num_batched_tokens,
                                        max_num_seqs=w0.max_num_seqs, block_size=block_size))
-        self.balancer = Balancer(PolicyConfig(policy=cfg.policy, affinity=cfg.affinity), chunk_size=unit,
+        self.balancer = Balancer(PolicyConfig(policy=cfg.policy, affinity=cfg.affinity,
+                                                      adapter_routing=cfg.adapter_routing,
+                                                      adapter_spare=cfg.adapter_spare), chunk_size=unit,
                                  index=PrefixIndex(max_entries=cfg.index_entries,
                                                    optimistic_ttl_s=cfg.optimistic_ttl_s),
                                  board=board, tokens_per_byte=1.0)
@@ -107,7 +111,7 @@ class SimRouter:
         num_bytes = req.num_prompt - 1 if req.num_prompt > 1 else req.num_prompt
         data = req.index.to_bytes(8, "little")  # stands in for a prompt shorter than one unit
         key = ring_key_of(data, req.block_hashes, 0, max(1, -(-self.cfg.ring_key_bytes // self.unit)), req.session)
-        return PromptKey(SIM_MODEL, num_bytes, req.block_hashes, key, req.session)
+        return PromptKey(SIM_MODEL, num_bytes, req.block_hashes, key, req.session, adapter=req.lora_name)
 
     def route(self, req: SimRequest, now: float) -> Decision:
         """Choose a worker for ``req`` and book it (raises ``NoCapacity`` like the router)."""
@@ -142,7 +146,20 @@ class SimRouter:
 
     @staticmethod
     def make_report(worker: SimWorker, now: float, prefill_tokens_per_s: float, decode_step_s: float) -> LoadReport:
-        """The load report ``worker`` sends at ``now``."""
+        """The load report ``worker`` sends at ``now`` (with its adapters, as the worker reports them)."""
+        lora = {}
+        if worker.lora is not None:
+            running: dict[str, int] = {}
+            waiting: dict[str, int] = {}
+            for req in worker.running:
+                if req.lora_name is not None:
+                    running[req.lora_name] = running.get(req.lora_name, 0) + 1
+            for req in worker.waiting:
+                if req.lora_name is not None:
+                    waiting[req.lora_name] = waiting.get(req.lora_name, 0) + 1
+            lora = dict(max_loras=worker.lora.max_loras, lora_gpu=worker.lora.gpu(), lora_cpu=worker.lora.cpu(),
+                        lora_running=running, lora_waiting=waiting, lora_disk_load_s=worker.lora.disk_load_s,
+                        lora_slot_load_s=worker.lora.slot_load_s)
         return LoadReport(
             worker_id=worker.worker_id, running=len(worker.running), waiting=len(worker.waiting),
             queued_prefill_tokens=worker.queued_prefill_tokens, running_tokens=worker.running_tokens,
@@ -150,7 +167,8 @@ class SimRouter:
             capacity_tokens=worker.pool.num_blocks * worker.unit,
             max_num_seqs=worker.max_num_seqs, max_num_batched_tokens=worker.max_num_batched_tokens,
             prefill_tokens_per_s=prefill_tokens_per_s, decode_step_s=decode_step_s, ts=now,
-            kv_tier_load_tokens_per_s=worker.tier.stats().load_tokens_per_s if worker.tier is not None else 0.0)
+            kv_tier_load_tokens_per_s=worker.tier.stats().load_tokens_per_s if worker.tier is not None else 0.0,
+            **lora)
 
     def apply_report(self, report: LoadReport, now: float) -> None:
         """The router reads ``report`` at ``now`` (it may be older: stamped with its ``ts``)."""

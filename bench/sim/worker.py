@@ -33,6 +33,14 @@ admission follows the engine's: the GPU hit, then the tier's run after it, loade
 transfer beats recomputing it at the worker's measured speed; a step's copies (write-back stores
 of the blocks it evicts, then its loads) add their bytes over the GPU profile's host <-> device
 bandwidth to its time.
+
+LoRA adapters (``lora``: a :class:`~bench.sim.lora.SimLoRA`, None for the base model only): the
+engine's slot rules decide admission (a request whose adapter finds no slot waits, those behind it
+may go), a slot load adds its copy time to the step that admits the request, and every step adds
+its adapters' cost to the roofline: each distinct pinned adapter's weights read once, and
+``2 · params`` FLOPs per token of the requests with an adapter (counted as the step's tokens times
+the share of running requests that have one: every request has one in the multi-LoRA workload).
+While a request waits, steps are taken one by one (no closed-form decode runs).
 """
 from __future__ import annotations
 
@@ -47,6 +55,7 @@ from worker.simulator.runner import nominal_speed
 
 from bench.sim.decode_run import decode_run_time, decode_steps_done_by, observe_decode_run
 from bench.sim.lazy_pool import LazyBlockPool
+from bench.sim.lora import SimLoRA
 
 
 def is_decode(req: "SimRequest", n: int) -> bool:
@@ -70,15 +79,14 @@ class SimRequest:
     :class:`~worker.engine.sequence.Sequence`'s, so the engine's KV-cache rules run on it.
     """
 
-    lora_name = None  # the base model: the fleet simulator runs no LoRA adapters
-
     __slots__ = ("index", "arrival", "block_hashes", "num_prompt", "max_tokens", "session",
                  "num_computed_tokens", "num_output", "cached_tokens", "first_token_at", "finished_at",
                  "blocks", "num_registered_blocks", "worker_id", "error", "prefill_left", "tick0", "dseq",
-                 "loaded_tokens")
+                 "loaded_tokens", "lora_name")
 
     def __init__(self, index: int, arrival: float, block_hashes: list[int], num_prompt: int, max_tokens: int,
-                 session: str | None = None) -> None:
+                 session: str | None = None, lora_name: str | None = None) -> None:
+        self.lora_name = lora_name  # its LoRA adapter (None: the base model)
         self.index = index
         self.arrival = arrival
         self.block_hashes = block_hashes
@@ -119,8 +127,12 @@ class SimWorker:
 
     def __init__(self, worker_id: str, latency: LatencyModel, num_blocks: int, unit: int,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
-                 enable_caching: bool = True, decode_runs: bool = True, tier: KVTier | None = None) -> None:
+                 enable_caching: bool = True, decode_runs: bool = True, tier: KVTier | None = None,
+                 lora: SimLoRA | None = None, lora_params: float = 0.0) -> None:
         self.worker_id = worker_id
+        self.lora = lora
+        self.lora_params = lora_params  # parameters of one adapter (all the same size)
+        self.lora_running = 0  # running requests with an adapter
         self.decode_runs = decode_runs
         self.latency = latency
         self.unit = unit
@@ -160,6 +172,8 @@ class SimWorker:
         self._c_ctx = 4.0 * m.num_layers * m.num_heads * m.head_dim / latency._flops_per_s
         self._m_base = m.weight_bytes / latency._bytes_per_s
         self._m_ctx = m.kv_bytes_per_token / latency._bytes_per_s
+        self._c_lora = 2.0 * lora_params / latency._flops_per_s  # per token with an adapter
+        self._m_lora = latency.lora_bytes(lora_params) / latency._bytes_per_s  # per distinct adapter in a step
 
     # ------------------------------------------------------------------ fleet interface
 
@@ -266,7 +280,11 @@ class SimWorker:
         prefill = shape.tokens - self._decodes
         # worker.engine.stats.prefill_work from the shape's sums (n(n+1)/2 vs n^2/2: half a token per chunk)
         self._step_work = (prefill, self._decodes, prefill + self._prefill_pairs / ATTENTION_KNEE_TOKENS)
-        self._end = now + (self.latency.step_time(shape) + self._start_copies())
+        if self.lora is not None and self.lora_running:
+            shape.add_lora(round(shape.tokens * self.lora_running / max(1, len(self.running))), self.lora_params)
+            shape.add_lora_weights(self.lora.busy() * self.latency.lora_bytes(self.lora_params))
+        self._end = now + (self.latency.step_time(shape) + self._start_copies()
+                           + (self.lora.take_load_s() if self.lora is not None else 0.0))
         return self._end
 
     def _start_copies(self) -> float:
@@ -301,11 +319,19 @@ class SimWorker:
         b = len(running)
         c0 = self._c_tok * b + self._c_ctx * ctx
         m0 = self._m_base + self._m_ctx * ctx
+        if self.lora is not None:
+            c0, m0 = self._with_lora(c0, m0, b)
         return (c0, self._c_ctx * b, m0, self._m_ctx * b, k)
+
+    def _with_lora(self, c0: float, m0: float, b: int) -> tuple[float, float]:
+        """A decode step's compute and memory seconds with its adapters' cost (see the module docstring)."""
+        return c0 + self._c_lora * self.lora_running * b / max(1, len(self.running)), m0 + self._m_lora * self.lora.busy()
 
     def _can_admit_head(self) -> bool:
         if len(self.running) >= self.max_num_seqs:
             return False
+        if self.lora is not None:
+            return True  # adapters may block the head and not those behind it: step by step
         req = self.waiting[0]
         hits, hit_tokens = self.kv.get_computed_blocks(req)
         n = min(req.num_tokens - hit_tokens, max(1, self.max_num_batched_tokens - len(self.running)))
@@ -318,6 +344,9 @@ class SimWorker:
         return decode_steps_done_by(elapsed, self._oh, c0, c1, m0, m1, k)
 
     def _preempt(self, req: SimRequest) -> None:
+        if req.lora_name is not None and self.lora is not None:
+            self.lora.unpin(req.lora_name)
+            self.lora_running -= 1
         self.running.remove(req)
         self.running_tokens -= req.num_tokens
         self.kv.free(req)
@@ -386,11 +415,18 @@ class SimWorker:
         Returns the decodes among them (:func:`is_decode`: preempted requests left with their last
         token) and their context tokens, for the caller's decode sums.
         """
-        running, kv = self.running, self.kv
+        running, kv, lora = self.running, self.kv, self.lora
         decodes = decode_ctx = 0
         tier = self.tier
-        while self.waiting and budget > 0 and len(running) < self.max_num_seqs:
-            req = self.waiting[0]
+        blocked: list[str] = []
+        if lora is not None:
+            lora.begin_admission()
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(running) < self.max_num_seqs:
+            req = self.waiting[i]
+            if lora is not None and req.lora_name is not None and not lora.available(req.lora_name, blocked):
+                i += 1  # it waits for a slot; those behind it may still go
+                continue
             hits, gpu_tokens = kv.get_computed_blocks(req)
             run = kv.get_tier_run(req, len(hits)) if tier is not None else []
             recomputed = 0
@@ -412,7 +448,13 @@ class SimWorker:
                 elif recomputed:
                     tier.note_recomputed(recomputed)
                 tier.note_hits(req.block_hashes[:len(hits)])
-            self.waiting.popleft()
+            if i:
+                del self.waiting[i]
+            else:
+                self.waiting.popleft()
+            if lora is not None and req.lora_name is not None:
+                lora.pin(req.lora_name)
+                self.lora_running += 1
             self.queued_prefill_tokens -= hit_tokens
             req.prefill_left -= hit_tokens
             req.num_computed_tokens = hit_tokens
@@ -428,6 +470,8 @@ class SimWorker:
             else:
                 shape.add_prefill(n, hit_tokens, samples=hit_tokens + n == req.num_tokens)
             budget -= n
+        if lora is not None:
+            lora.end_admission(i >= len(self.waiting), blocked)
         return decodes, decode_ctx
 
     def _add_decodes(self, shape: StepShape, decodes: int, decode_ctx: int) -> None:
@@ -475,7 +519,12 @@ class SimWorker:
         return True
 
     def _finish(self, done: list[SimRequest], now: float) -> None:
+        lora = self.lora
         for req in done:
+            if lora is not None and req.lora_name is not None:
+                lora.unpin(req.lora_name)
+                lora.left(req.lora_name)
+                self.lora_running -= 1
             self.running.remove(req)
             self.running_tokens -= req.num_tokens
             req.finished_at = now

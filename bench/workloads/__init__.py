@@ -1,4 +1,5 @@
-"""Workloads by name: ``system-prompt``, ``doc-qa``, ``multi-turn``, ``conversation``, ``mooncake:FILE``, ``azure:FILE``.
+"""Workloads by name: ``system-prompt``, ``doc-qa``, ``multi-turn``, ``conversation``, ``multi-lora``,
+``mooncake:FILE``, ``azure:FILE``.
 
 ``load_workload(spec, seed, num_requests, options)`` returns a :class:`Workload`; ``options`` are
 ``key=value`` strings for the generator's parameters (``tenants=50``, ``question_tokens=64-256``).
@@ -8,6 +9,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable
 
+from bench.workloads.adapters import multi_lora
 from bench.workloads.base import RequestSpec, TextSource, Workload, WorkloadError, unit_hashes
 from bench.workloads.generated import conversation, doc_qa, multi_turn, system_prompt
 from bench.workloads.traces import MOONCAKE_BLOCK_TOKENS, azure, mooncake
@@ -17,6 +19,7 @@ GENERATED: dict[str, Callable[..., Workload]] = {
     "doc-qa": doc_qa,
     "multi-turn": multi_turn,
     "conversation": conversation,
+    "multi-lora": multi_lora,
 }
 TRACES: dict[str, Callable[..., Workload]] = {"mooncake": mooncake, "azure": azure}
 

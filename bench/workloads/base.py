@@ -30,7 +30,8 @@ class RequestSpec:
     """One request of a workload, before rendering.
 
     ``arrival_s`` is in workload time (trace seconds), before any ``--speedup``; ``segments``
-    are ``(content_id, tokens)`` pairs; ``session`` is sent as the ``x-session-id`` header.
+    are ``(content_id, tokens)`` pairs; ``session`` is sent as the ``x-session-id`` header;
+    ``adapter`` names the request's LoRA adapter (None: the base model).
     """
 
     index: int
@@ -38,6 +39,7 @@ class RequestSpec:
     segments: tuple[tuple[int, int], ...]
     max_tokens: int
     session: str | None = None
+    adapter: str | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -136,6 +138,6 @@ def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
 def retime_poisson(workload: Workload, rate: float, seed: int) -> Workload:
     """The same requests with arrivals replaced by a Poisson process of ``rate`` per second."""
     times = poisson_arrivals(len(workload.requests), rate, seed + 7)
-    workload.requests = [RequestSpec(r.index, t, r.segments, r.max_tokens, r.session)
+    workload.requests = [RequestSpec(r.index, t, r.segments, r.max_tokens, r.session, r.adapter)
                          for r, t in zip(workload.requests, times)]
     return workload

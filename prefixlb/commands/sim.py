@@ -36,5 +36,7 @@ def main(argv: list[str]) -> int:
     print(json.dumps({k: summary[k] for k in ("requests", "errors", "hit_rate", "ttft_ms", "imbalance")}, indent=1))
     print(json.dumps({"prefill_tokens_computed": result.meta["prefill_tokens_computed"],
                       "kv_tier": result.meta["kv_tier"]}, indent=1))
+    if result.meta.get("lora"):
+        print(json.dumps({"lora": result.meta["lora"]}))
     print(f"simulated {len(workload)} requests on {s.workers} workers in {result.meta['wall_s']} s; results in {s.out}")
     return 0

@@ -21,6 +21,11 @@ prefill_tokens_per_s   Δ prefill-computed tokens / Δ prefill time  Δ ``prompt
                        ``request_prefill_time_seconds`` sums)      no prefill-time histogram)
 decode_step_s          Δ ``inter_token_latency_seconds`` sum/count same names under ``sglang:``
 queued_prefill_tokens  waiting x mean prompt tokens per request (an estimate: neither engine exports it)
+max_loras, lora_*      ``vllm:lora_requests_info`` (newest          --
+                       sample): ``max_lora``; running adapters
+                       are in GPU slots (``lora_gpu``), 1 request
+                       each in ``lora_running`` / ``lora_waiting``
+                       (the gauge names adapters, not counts)
 =====================  ==========================================  ==========================================
 
 A rate needs two scrapes with the counter grown in between; until then (or when a counter
@@ -267,4 +272,9 @@ def load_report(worker_id: str, cur: EngineScrape, prev: EngineScrape | None = N
         running_tokens=used * (cur.block_size or 0),
         kv_usage=cur.kv_usage, free_blocks=total - used, total_blocks=total,
         block_size=cur.block_size or 0, capacity_tokens=cur.capacity_tokens or 0,
-        prefill_tokens_per_s=prefill, decode_step_s=decode, ts=cur.ts)
+        prefill_tokens_per_s=prefill, decode_step_s=decode, ts=cur.ts,
+        # vLLM names its running and waiting adapters: running ones hold GPU slots. It lists
+        # neither the adapters it could load nor host-memory residents (lora_adapters, lora_cpu
+        # stay empty: the router takes it as able to load any adapter).
+        max_loras=min(cur.max_lora or 0, 1 << 16), lora_gpu=list(cur.lora_running),
+        lora_running=dict.fromkeys(cur.lora_running, 1), lora_waiting=dict.fromkeys(cur.lora_waiting, 1))

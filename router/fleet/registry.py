@@ -74,6 +74,7 @@ class Worker:
     kv_replay: str | None = None
     load_source: str = ""  # where its load comes from: report, metrics, inflight (the router's own books)
     max_model_len: dict[str, int] = field(default_factory=dict)  # per model, from /v1/models
+    adapters: tuple[str, ...] = ()  # LoRA adapters it serves now, by its load report: models a request may name
 
     @property
     def backend_kind(self) -> str | None:
@@ -88,7 +89,7 @@ class Worker:
     def to_dict(self) -> dict:
         """JSON view for the admin API."""
         return {"worker_id": self.worker_id, "url": self.url, "source": self.source, "state": self.state,
-                "models": list(self.models), "kind": self.backend_kind, "load_source": self.load_source or None,
+                "models": list(self.models), "adapters": list(self.adapters), "kind": self.backend_kind, "load_source": self.load_source or None,
                 "kv_events": self.kv_events, "max_model_len": dict(self.max_model_len), "failures": self.failures,
                 "breaker": self.breaker.state,
                 "breaker_opens": self.breaker.opens, "last_ok": self.last_ok, "last_error": self.last_error}
@@ -148,14 +149,15 @@ class WorkerRegistry:
 
     def models(self) -> list[str]:
         """Every model a routable worker serves, sorted."""
-        return sorted({m for w in self._by_url.values() if w.state in ROUTABLE for m in w.models})
+        return sorted({m for w in self._by_url.values() if w.state in ROUTABLE for m in (*w.models, *w.adapters)})
 
     def excluded_for(self, model: str) -> frozenset[str]:
         """Routable workers that do not serve ``model`` (the policy must not pick them)."""
         cached = self._model_exclusions.get(model)
         if cached is None:
             cached = frozenset(w.worker_id for w in self._by_id.values()
-                               if w.state in ROUTABLE and w.models and model not in w.models)
+                               if w.state in ROUTABLE and w.models and model not in w.models
+                               and model not in w.adapters)
             self._model_exclusions[model] = cached
         return cached
 
@@ -262,6 +264,9 @@ class WorkerRegistry:
             w.models = tuple(models)
         elif info is not None and info.model and info.model not in w.models:
             w.models = w.models + (info.model,)
+        if report is not None:
+            # The adapters it serves now (loaded at start or at run time): /v1/models is read once.
+            w.adapters = adapter_names(report)
         if report is not None and report.worker_id != worker_id:
             # A report is about the worker that was probed, whatever id it names.
             report = dataclasses.replace(report, worker_id=worker_id)
@@ -360,3 +365,13 @@ class WorkerRegistry:
 
     def _changed(self) -> None:
         self._model_exclusions.clear()
+
+
+MAX_ADAPTER_MODELS = 4096  # adapter names taken from one worker's report at most
+
+
+def adapter_names(report: LoadReport) -> tuple[str, ...]:
+    """The LoRA adapters a worker's load report says it serves (bounded, valid names only)."""
+    adapters = report.lora_adapters if isinstance(report.lora_adapters, dict) else {}
+    names = [a for a in adapters if isinstance(a, str) and 0 < len(a) <= 256]
+    return tuple(names[:MAX_ADAPTER_MODELS])

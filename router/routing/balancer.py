@@ -58,6 +58,7 @@ from typing import AbstractSet, Mapping
 
 from protocol import DEFAULT_CHUNK_SIZE, KVEvent, LoadReport
 from protocol.messages import KV_CLEARED, KV_REMOVED, KV_STORED
+from router.routing.adapters import AdapterBoard
 from router.routing.index import PrefixIndex
 from router.routing.load import LoadBoard, SpeedProfile, Ticket
 from router.routing.precise import Pending, PreciseIndex
@@ -104,6 +105,7 @@ class Booking:
     prompt: PromptKey
     ticket: Ticket
     pending: Pending | None = None  # its blocks on a precise backend, until they are indexed
+    adapter_tier: str = ""  # a LoRA request: where its adapter was on the worker (gpu, cpu, disk)
 
 
 class Balancer:
@@ -120,6 +122,7 @@ class Balancer:
         self.index = index if index is not None else PrefixIndex()
         self.cpu_index = PrefixIndex(self.index.max_entries, self.index.optimistic_ttl_s, self.index.confirmed_ttl_s)
         self.board = board if board is not None else LoadBoard(SpeedProfile())
+        self.adapters = AdapterBoard()
         self.ring = WorkerRing(vnodes=vnodes)
         self.default_tokens_per_byte = tokens_per_byte
         self.tokens_per_byte_alpha = tokens_per_byte_alpha
@@ -155,6 +158,7 @@ class Balancer:
         """Forget a worker entirely: ring, load, and every index entry it had."""
         self.ring.remove(worker_id)
         self.board.remove_worker(worker_id)
+        self.adapters.remove_worker(worker_id)
         self.index.forget_worker(worker_id)
         self.cpu_index.forget_worker(worker_id)
         self._miss_streak.pop(worker_id, None)
@@ -226,6 +230,8 @@ class Balancer:
         matches, complete = self.index.match_top(prompt.hashes, now, cfg.match_candidates)
         if not complete:
             matches = _DepthLookup(matches, self.index, prompt.hashes, now)
+        if prompt.adapter is None and self.adapters.knows(prompt.model):
+            prompt.adapter = prompt.model  # vLLM's convention: "model": the adapter's name
         if prompt.tokens is not None and self.precise.has_backends():
             prompt.known_cached = self.precise.cached_tokens(prompt.tokens, now) or None
         request = RouteRequest(prompt_tokens=self.estimate_tokens(prompt), affinity=affinity,
@@ -272,10 +278,12 @@ class Balancer:
         if not (known and worker_id in known) and len(self.cpu_index):
             cached, transfer_s = self._with_tier(worker_id, matched, cached, prompt, prompt_tokens, now,
                                                  self.config.attention_knee_tokens)
+        adapter = prompt.adapter if self.config.adapter_routing else None
         return Candidate(worker_id=worker_id, cached_tokens=cached,
                          pending_s=w.pending_s(now), tokens_per_s=w.rate(), in_system=w.in_system,
                          over_limit=w.over_limit(), ring_rank=ring_rank, matched_chunks=matched,
-                         service_s=w.service_s, transfer_s=transfer_s)
+                         service_s=w.service_s, transfer_s=transfer_s,
+                         adapter_s=self.adapters.ready_s(worker_id, adapter, w.service_s) if adapter else 0.0)
 
     def _with_tier(self, worker_id: str, matched: int, gpu_cached: int, prompt: PromptKey,
                    prompt_tokens: int, now: float, knee: float) -> tuple[int, float]:
@@ -296,9 +304,16 @@ class Balancer:
         """The workers of :meth:`candidate_ids` as candidates (see the module docstring).
 
         ``ring_rank`` is a worker's place among the key's ring successors (``NOT_ON_RING`` if
-        it is not one of them).
+        it is not one of them). A LoRA request, with ``cfg.adapter_routing``, is scored among
+        its adapter's workers instead, its adapter's readiness in the cost
+        (:meth:`AdapterBoard.candidate_ids`, ``router/routing/adapters.py``).
         """
-        ids, successors = self.candidate_ids(prompt, matches, now, exclude, cfg)
+        adapter = prompt.adapter if cfg.adapter_routing else None
+        if adapter:
+            ids, successors = self.adapters.candidate_ids(self, adapter, exclude, cfg)
+        else:
+            ids, successors = self.candidate_ids(prompt, matches, now, exclude, cfg)
+        adapters = self.adapters
         # The hot loop of every decision (the simulator makes a million): locals, no helpers.
         chunk_tokens = self.chunk_size * self.tokens_per_byte(prompt.ratio_key)
         cap = prompt_tokens - 1
@@ -331,7 +346,8 @@ class Balancer:
             c = new(Candidate)
             init(c, worker_id=worker_id, tokens_per_s=w.rate(), cached_tokens=cached, pending_s=w.pending_s(now),
                  in_system=w.in_system, over_limit=w.over_limit(), ring_rank=rank, matched_chunks=matched,
-                 service_s=w.service_s, transfer_s=transfer_s)
+                 service_s=w.service_s, transfer_s=transfer_s,
+                 adapter_s=adapters.ready_s(worker_id, adapter, w.service_s) if adapter else 0.0)
             out.append(c)
         return out
 
@@ -350,7 +366,8 @@ class Balancer:
         prefill = max(1, decision.prompt_tokens - decision.predicted_cached_tokens)
         ticket = self.board.dispatch(worker_id, prefill, now)
         pending = self.precise.dispatched(worker_id, prompt.tokens, now) if prompt.tokens is not None else None
-        return Booking(decision, prompt, ticket, pending)
+        tier = self.adapters.dispatched(worker_id, prompt.adapter, self.board, now) if prompt.adapter else ""
+        return Booking(decision, prompt, ticket, pending, tier)
 
     def first_byte(self, booking: Booking, now: float) -> None:
         """The worker started answering: the request's prefill is done."""
@@ -361,6 +378,8 @@ class Balancer:
 
         ``cached_tokens`` None (a backend that does not report it) teaches only the token ratio.
         """
+        if booking.adapter_tier and not booking.ticket.finished:
+            self.adapters.finished(booking.decision.worker_id, booking.prompt.adapter or "")
         self.board.finish(booking.ticket, now)
         if booking.pending is not None:
             self.precise.finished(booking.pending, now)
@@ -423,4 +442,7 @@ class Balancer:
 
     def apply_report(self, report: LoadReport, now: float) -> bool:
         """Apply a worker's load report (ignored for unknown workers or when stale)."""
-        return self.board.apply_report(report, now)
+        if not self.board.apply_report(report, now):
+            return False
+        self.adapters.apply_report(report, min(now, report.ts))
+        return True

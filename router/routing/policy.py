@@ -8,13 +8,14 @@ the workers as a policy sees them (:class:`Candidate`), the answer (:class:`Deci
 ``cache_aware`` (the default) minimises each candidate's predicted time to first token, minus a
 locality bonus, plus a fair-share wait (design.md section 4)::
 
-    cost(w) = pending_s(w) + fair_wait_s(w) + prefill_s(P, 0, w)
+    cost(w) = pending_s(w) + adapter_s(w) + fair_wait_s(w) + prefill_s(P, 0, w)
               - min(L, 1) * shared_saved_s(w) - L(a) * exclusive_saved_s(w)
 
 with ``P`` prompt tokens, ``c_w`` predicted cached tokens on ``w``, and the prefill cost of
 ``u`` new tokens over ``c`` cached ones ``prefill_s(u, c, w) = u / rate_w * (1 + (c + u/2) /
 knee)`` (linear work plus attention over the cached prefix and the new tokens themselves;
-:func:`prefill_seconds`).
+:func:`prefill_seconds`). ``adapter_s(w)`` is 0 but for a LoRA request: the time its adapter
+needs to be loaded on ``w`` and to find a free GPU slot there (``router/routing/adapters.py``).
 
 **Shared and exclusive.** ``saved_s(w) = prefill_s(P, 0, w) - prefill_s(P - c_w, c_w, w)`` is
 what w's cache saves this request. The part of ``c_w`` that another candidate also holds (the
@@ -80,6 +81,8 @@ class PolicyConfig:
     ring_candidates: int = 3
     load_candidates: int = 2
     match_candidates: int = 8  # most prefix holders scored (the longest matches)
+    adapter_routing: bool = True  # LoRA requests: adapter residency in the cost, bounded replication
+    adapter_spare: int = 1  # workers an adapter may run on beyond what its traffic needs
 
 
 @dataclass(slots=True, kw_only=True)
@@ -96,6 +99,7 @@ class Candidate:
     matched_chunks: int = 0  # leading chunk hashes of the request the index says it holds
     service_s: float = 0.0  # mean time one of its requests holds a batch slot (s)
     transfer_s: float = 0.0  # loading the CPU-tier part of ``cached_tokens`` (s; 0: all on the GPU)
+    adapter_s: float = 0.0  # seconds before the request's LoRA adapter can run there (router/routing/adapters.py)
 
 
 @dataclass(slots=True, kw_only=True)

@@ -33,6 +33,7 @@ class PromptKey:
     chat: bool = False
     tokens: PromptTokens | None = None  # the backend tokenizer's ids, where the router has one
     known_cached: dict[str, int] | None = None  # exact cached tokens of precise backends (set by decide)
+    adapter: str | None = None  # the LoRA adapter: ``lora_adapter``, or a ``model`` workers report as one
 
     @property
     def ratio_key(self) -> str:
@@ -66,7 +67,7 @@ def prompt_key(body: Mapping[str, Any], chat: bool, chunk_size: int, ring_key_ch
     data = render_request(body, chat)  # type: ignore[arg-type]
     hashes = chunk_hashes(data, chunk_size, seed)
     return PromptKey(model, len(data), hashes, ring_key_of(data, hashes, seed, ring_key_chunks, session_key),
-                     session_key, chat)
+                     session_key, chat, adapter=adapter if isinstance(adapter, str) and adapter else None)
 
 
 def ring_key_of(data: bytes, hashes: Sequence[int], seed: int, ring_key_chunks: int,

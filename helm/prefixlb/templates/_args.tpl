@@ -27,6 +27,10 @@ whole numbers are printed as integers.
 {{- $acc := dict "args" (list "--host=0.0.0.0" (printf "--port=%d" (int $r.port))) -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--policy" "value" $r.policy) -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--affinity" "value" $r.affinity) -}}
+{{- if eq (toString $r.adapterRouting) "false" -}}
+{{- $_ := set $acc "args" (append $acc.args "--no-adapter-routing") -}}
+{{- end -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--adapter-spare" "value" $r.adapterSpare) -}}
 {{- range $r.sessionHeaders -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--session-header" "value" .) -}}
 {{- end -}}
@@ -162,6 +166,17 @@ whole numbers are printed as integers.
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--max-model-len" "value" $w.maxModelLen) -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--attention-backend" "value" $w.attentionBackend) -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--chunk-size" "value" .Values.chunkSize) -}}
+{{- if $w.lora.enabled -}}
+{{- $_ := set $acc "args" (append $acc.args "--enable-lora") -}}
+{{- range $w.lora.adapters -}}
+{{- $path := .path -}}
+{{- if not (hasPrefix "/" $path) -}}{{- $path = printf "%s/%s" (trimSuffix "/" $w.lora.volume.mountPath) $path -}}{{- end -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--lora" "value" (printf "%s=%s" .name $path)) -}}
+{{- end -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--max-loras" "value" $w.lora.maxLoras) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--max-cpu-loras" "value" $w.lora.maxCpuLoras) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--max-lora-rank" "value" $w.lora.maxLoraRank) -}}
+{{- end -}}
 {{- /* The routers' body limit: what a router accepts, its worker accepts too. */ -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--max-body-bytes" "value" .Values.router.limits.maxBodyBytes) -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--log-level" "value" $w.logLevel) -}}

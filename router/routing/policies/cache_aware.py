@@ -87,7 +87,7 @@ class CacheAware(Policy):
             cached = matched[i]
             # A CPU-tier part of the hit costs its transfer (c.transfer_s, see tier_credit).
             actual = prefill_seconds(prompt - cached, cached, rate, knee) + c.transfer_s if cached > 0 else full
-            cost = c.pending_s + fair_share_wait_s(c.in_system, c.service_s, bound)
+            cost = c.pending_s + c.adapter_s + fair_share_wait_s(c.in_system, c.service_s, bound)
             if i != owner:
                 cost += full - shared_weight * (full - actual)
             elif follow_cache:
