@@ -17,26 +17,18 @@ import time
 import torch
 
 from kernels.backend import get_attention_backend, get_lora_backend
-from worker.engine.config import DEFAULT_KV_BLOCKS, EngineConfig, ModelConfig
+from worker.engine.config import EngineConfig
 from worker.engine.errors import ModelLoadError
+from worker.engine.kv_sizing import (activation_bytes, kv_block_bytes, kv_blocks_for_cpu, kv_blocks_for_gpu,
+                                     kv_blocks_for_memory)
 from worker.engine.lora.weights import LoRASlotWeights, build_lora_context
 from worker.engine.model.attention_context import AttentionContext
 from worker.engine.model.llama import LlamaForCausalLM
-from worker.engine.model.loader import load_model, torch_dtype
+from worker.engine.model.loader import load_model, load_model_config, resolve_dtype
 from worker.engine.model.presets import PRESETS
 from worker.engine.runner import RunnerOutput, ScheduledBatch, ScheduledSequence
 from worker.engine.sampler import sample
 from worker.engine.tokenizer import Tokenizer, load_tokenizer
-
-# Without --kv-blocks / --kv-memory a CPU worker gets at most this much KV memory.
-DEFAULT_KV_MEMORY_BYTES = 512 * 1024 * 1024
-
-
-def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block over all layers (K and V)."""
-    elem = torch.tensor([], dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * elem
-
 
 class TorchModelRunner:
     """The real runner: model forward over the paged KV cache, then the sampler."""
@@ -67,27 +59,36 @@ class TorchModelRunner:
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> "TorchModelRunner":
-        """Load ``config.model`` (preset or directory) and size the KV pool."""
+        """Load ``config.model`` (preset or directory) in its dtype and size the KV pool
+        (worker/engine/kv_sizing.py)."""
         if config.model is None:
             raise ModelLoadError("EngineConfig.model is None and no runner was given")
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        dtype = torch_dtype(config.dtype)
+        dtype = resolve_dtype(config.dtype, load_model_config(config.model).torch_dtype, config.device)
+        device = torch.device(config.device)
+        on_cuda = device.type == "cuda" and config.num_kv_blocks is None and config.kv_memory_bytes is None
+        if on_cuda:
+            free_before, total = torch.cuda.mem_get_info(device)
         model = load_model(config.model, dtype, config.device)
         tok_dir = config.tokenizer or (None if config.model in PRESETS else config.model)
         tokenizer = load_tokenizer(tok_dir)
         if tokenizer.vocab_size > model.config.vocab_size:
             raise ModelLoadError(f"tokenizer vocabulary ({tokenizer.vocab_size}) exceeds the model's "
                                  f"({model.config.vocab_size})")
-        per_block = kv_block_bytes(model.config, config.block_size, dtype)
+        elem = torch.tensor([], dtype=dtype).element_size()
+        per_block = kv_block_bytes(model.config, config.block_size, elem)
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
         elif config.kv_memory_bytes is not None:
-            num_blocks = config.kv_memory_bytes // per_block
+            num_blocks = kv_blocks_for_memory(config.kv_memory_bytes, per_block)
+        elif on_cuda:
+            free_after, _ = torch.cuda.mem_get_info(device)
+            reserve = activation_bytes(model.config, config.max_num_batched_tokens, config.max_num_seqs, elem)
+            num_blocks = kv_blocks_for_gpu(total, free_before, free_after, config.gpu_memory_utilization,
+                                           per_block, reserve)
         else:
-            num_blocks = min(DEFAULT_KV_BLOCKS, DEFAULT_KV_MEMORY_BYTES // per_block)
-        if num_blocks < 1:
-            raise ModelLoadError(f"KV memory too small for one block ({per_block} bytes)")
+            num_blocks = kv_blocks_for_cpu(per_block)
         return cls(model, config, num_blocks, tokenizer)
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator:

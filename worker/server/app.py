@@ -84,9 +84,11 @@ def build_engine(cfg: ServerConfig) -> BuiltEngine:
             kv_memory_bytes=cfg.kv_memory_bytes, max_num_seqs=cfg.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
             max_num_batched_tokens=cfg.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
             max_model_len=cfg.max_model_len,
-            attention_backend=cfg.attention_backend, device=cfg.device, num_threads=cfg.threads,
-            seed=cfg.seed, **lora)
-        built = BuiltEngine(LLMEngine(config, served_model_names=[cfg.model_name]), {"device": cfg.device})
+            attention_backend=cfg.attention_backend, device=cfg.device, dtype=cfg.dtype,
+            gpu_memory_utilization=cfg.gpu_memory_utilization, num_threads=cfg.threads, seed=cfg.seed, **lora)
+        engine = LLMEngine(config, served_model_names=[cfg.model_name])
+        dtype = str(getattr(engine.runner, "dtype", "")).removeprefix("torch.")
+        built = BuiltEngine(engine, {"device": cfg.device, "dtype": dtype})
     for name, path in cfg.lora_specs:
         adapter = built.engine.add_lora(name, path)
         log.info("event=lora_loaded lora=%s path=%s digest=%s rank=%d targets=%s", name, path,
@@ -158,8 +160,9 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    log.info("event=worker_ready worker=%s model=%s url=%s simulated=%s kv_blocks=%d redis=%s",
-             ctx.worker_id, ctx.model_name, ctx.url, cfg.simulate, engine.num_kv_blocks, bool(cfg.redis))
+    log.info("event=worker_ready worker=%s model=%s url=%s simulated=%s dtype=%s kv_blocks=%d redis=%s",
+             ctx.worker_id, ctx.model_name, ctx.url, cfg.simulate, built.info.get("dtype", "-"),
+             engine.num_kv_blocks, bool(cfg.redis))
     if ready is not None:
         ready.set()
     await stop.wait()

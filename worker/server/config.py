@@ -56,6 +56,11 @@ class ServerConfig:
     max_model_len: int | None = setting(None, "longest prompt + output (default: the model's)", minimum=1)
     attention_backend: str = setting("auto", "attention implementation", choices=("auto", "triton", "torch"))
     device: str = setting("cpu", "torch device of the real engine (cpu, cuda)")
+    dtype: str = setting("auto", "dtype of the weights and the KV cache (auto: the checkpoint's torch_dtype, "
+                         "float32 on a CPU)", choices=("auto", "bfloat16", "float16", "float32"))
+    gpu_memory_utilization: float = setting(
+        0.9, "on CUDA without --kv-blocks/--kv-memory: the share of the GPU's total memory this worker uses; "
+        "the KV cache gets what the weights and one step's activations leave", minimum=0.01, maximum=1.0)
     threads: int | None = setting(None, "torch CPU threads (default: torch's choice)", minimum=1)
     seed: int = setting(0, "engine seed (sampling without a per-request seed)")
     worker_id: str | None = setting(None, "this worker's id (default: <host>-<port>)")

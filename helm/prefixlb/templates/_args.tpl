@@ -161,6 +161,8 @@ whole numbers are printed as integers.
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--max-num-batched-tokens" "value" $w.maxNumBatchedTokens) -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--max-model-len" "value" $w.maxModelLen) -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--attention-backend" "value" $w.attentionBackend) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--dtype" "value" $w.dtype) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--gpu-memory-utilization" "value" $w.gpuMemoryUtilization) -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--chunk-size" "value" .Values.chunkSize) -}}
 {{- /* The routers' body limit: what a router accepts, its worker accepts too. */ -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--max-body-bytes" "value" .Values.router.limits.maxBodyBytes) -}}

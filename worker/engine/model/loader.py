@@ -24,11 +24,27 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 _STACKED = {hf: target for hf, target in LORA_TARGETS.items() if target[0] != hf}
 
 
+DTYPE_CHOICES = ("auto", *DTYPES)
+
+
 def torch_dtype(name: str) -> torch.dtype:
     """``"float32"`` / ``"float16"`` / ``"bfloat16"`` as a torch dtype."""
     if name not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {name!r}; choose one of {', '.join(DTYPES)}")
     return DTYPES[name]
+
+
+def resolve_dtype(requested: str, checkpoint_dtype: str, device: str) -> torch.dtype:
+    """The dtype weights and KV are kept in: ``requested``, or for ``"auto"`` the checkpoint's
+    ``torch_dtype`` on an accelerator and float32 on a CPU (where half precision is slow)."""
+    if requested != "auto":
+        return torch_dtype(requested)
+    if torch.device(device).type == "cpu":
+        return torch.float32
+    if checkpoint_dtype not in DTYPES:
+        raise ModelLoadError(f"the checkpoint's torch_dtype {checkpoint_dtype!r} is not one of "
+                             f"{', '.join(DTYPES)}: choose one with --dtype")
+    return DTYPES[checkpoint_dtype]
 
 
 def load_model_config(model: str) -> ModelConfig:
