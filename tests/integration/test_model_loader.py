@@ -18,6 +18,7 @@ from tests.support import ROOT
 from worker.engine.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.errors import ModelLoadError
+from worker.engine.model.byte_tokenizer_files import save_byte_tokenizer
 from worker.engine.model.loader import load_model
 from worker.engine.sampling_params import SamplingParams
 
@@ -43,6 +44,7 @@ def _save_random(directory, arch: str, **extra) -> None:
             else:
                 p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5)
     model.save_pretrained(directory, safe_serialization=True)
+    save_byte_tokenizer(directory)  # a checkpoint is served only with its own tokenizer
 
 
 def _check(directory, arch: str) -> None:
@@ -135,3 +137,18 @@ def test_the_worker_reports_the_dtype_it_runs_in():
 
     assert build_engine(load_server_config(["--dtype", "float16"], environ={})).info["dtype"] == "float16"
     assert build_engine(load_server_config([], environ={})).info["dtype"] == "float32"
+
+
+def test_generation_config_eos_ids_end_generation_too(tmp_path):
+    from worker.engine.model.loader import load_model_config
+    from worker.engine.model.presets import build_preset
+    from worker.engine.model.save import save_pretrained
+
+    save_pretrained(build_preset("tiny"), tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [257, 10]}))
+    assert load_model_config(str(tmp_path)).eos_token_ids == [257, 10]
+    engine = LLMEngine(EngineConfig(model=str(tmp_path), num_kv_blocks=32))
+    assert engine.eos_token_ids == [10, 257]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": "</s>"}))
+    with pytest.raises(ModelLoadError, match="eos_token_id must be an integer or a list of integers"):
+        load_model_config(str(tmp_path))

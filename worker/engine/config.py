@@ -22,7 +22,9 @@ class EngineConfig:
 
     ``num_kv_blocks`` wins over ``kv_memory_bytes``; with neither, the pool takes what
     ``gpu_memory_utilization`` of a CUDA device leaves after the weights, or on a CPU 512 MiB
-    capped at ``DEFAULT_KV_BLOCKS`` (worker/engine/kv_sizing.py). ``dtype`` is that of the
+    capped at ``DEFAULT_KV_BLOCKS`` (worker/engine/kv_sizing.py). ``tokenizer`` is a directory
+    with ``tokenizer.json`` (default: the checkpoint's), ``chat_template`` a Jinja file that
+    replaces the checkpoint's template. ``dtype`` is that of the
     weights and the KV cache: ``"auto"`` is the checkpoint's ``torch_dtype``, float32 on a CPU.
     ``default_prefill_tokens_per_s`` / ``default_decode_step_s`` are reported until the engine
     has measured its own speed. With ``enable_lora`` the engine serves LoRA adapters
@@ -32,6 +34,7 @@ class EngineConfig:
 
     model: str | None = "tiny"
     tokenizer: str | None = None
+    chat_template: str | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_memory_bytes: int | None = None

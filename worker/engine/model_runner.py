@@ -28,7 +28,7 @@ from worker.engine.model.loader import load_model, load_model_config, resolve_dt
 from worker.engine.model.presets import PRESETS
 from worker.engine.runner import RunnerOutput, ScheduledBatch, ScheduledSequence
 from worker.engine.sampler import sample
-from worker.engine.tokenizer import Tokenizer, load_tokenizer
+from worker.engine.tokenizer import Tokenizer, load_tokenizer, read_chat_template_file
 
 class TorchModelRunner:
     """The real runner: model forward over the paged KV cache, then the sampler."""
@@ -65,17 +65,20 @@ class TorchModelRunner:
             raise ModelLoadError("EngineConfig.model is None and no runner was given")
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        dtype = resolve_dtype(config.dtype, load_model_config(config.model).torch_dtype, config.device)
+        model_config = load_model_config(config.model)
+        dtype = resolve_dtype(config.dtype, model_config.torch_dtype, config.device)
+        # The tokenizer first: a checkpoint without one is refused before its weights are read.
+        tok_dir = config.tokenizer or (None if config.model in PRESETS else config.model)
+        template = read_chat_template_file(config.chat_template) if config.chat_template else None
+        tokenizer = load_tokenizer(tok_dir, template)
+        if tokenizer.vocab_size > model_config.vocab_size:
+            raise ModelLoadError(f"tokenizer vocabulary ({tokenizer.vocab_size}) exceeds the model's "
+                                 f"({model_config.vocab_size})")
         device = torch.device(config.device)
         on_cuda = device.type == "cuda" and config.num_kv_blocks is None and config.kv_memory_bytes is None
         if on_cuda:
             free_before, total = torch.cuda.mem_get_info(device)
         model = load_model(config.model, dtype, config.device)
-        tok_dir = config.tokenizer or (None if config.model in PRESETS else config.model)
-        tokenizer = load_tokenizer(tok_dir)
-        if tokenizer.vocab_size > model.config.vocab_size:
-            raise ModelLoadError(f"tokenizer vocabulary ({tokenizer.vocab_size}) exceeds the model's "
-                                 f"({model.config.vocab_size})")
         elem = torch.tensor([], dtype=dtype).element_size()
         per_block = kv_block_bytes(model.config, config.block_size, elem)
         if config.num_kv_blocks is not None:

@@ -80,7 +80,8 @@ def build_engine(cfg: ServerConfig) -> BuiltEngine:
                                                    "sim_steps_total": runner.steps}, answers)
     else:
         config = EngineConfig(
-            model=cfg.model, block_size=cfg.block_size, num_kv_blocks=cfg.kv_blocks,
+            model=cfg.model, tokenizer=cfg.tokenizer, chat_template=cfg.chat_template,
+            block_size=cfg.block_size, num_kv_blocks=cfg.kv_blocks,
             kv_memory_bytes=cfg.kv_memory_bytes, max_num_seqs=cfg.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
             max_num_batched_tokens=cfg.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
             max_model_len=cfg.max_model_len,

@@ -43,6 +43,10 @@ class ServerConfig:
     model: str = setting("tiny", "model: a preset (tiny, small) or a Hugging Face checkpoint directory")
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(8001, "port to listen on", minimum=0, maximum=65535)
+    tokenizer: str | None = setting(None, "directory with the tokenizer.json (and tokenizer_config.json) to use "
+                                    "(default: the checkpoint's; a checkpoint without one is refused)")
+    chat_template: str | None = setting(None, "Jinja chat template FILE replacing the checkpoint's (a checkpoint "
+                                        "without one serves completions only)")
     served_model_name: str | None = setting(None, "model name clients use (default: the preset or directory name)")
     kv_blocks: int | None = setting(None, "number of KV-cache blocks (wins over --kv-memory)", minimum=1)
     kv_memory: str | None = setting(None, "KV-cache size, e.g. 512MiB (simulated: per GPU)")

@@ -51,6 +51,7 @@ class WorkerContext:
     api_keys: tuple[str, ...] = ()  # required on /v1/* when set (protocol/api_keys.py)
     recorded: RecordedAnswers | None = None  # the simulator's recorded-answer mode: prompts it can answer
     mapper: KVEventMapper = field(default_factory=KVEventMapper)
+    tool_parser: str | None = None  # --tool-call-parser: turns the model's text into tool_calls
     # With --redis: builds the publisher from this worker's registry entry and load reports.
     publisher_factory: PublisherFactory | None = None
     publisher: RedisPublisher | None = field(init=False, default=None)

@@ -51,7 +51,7 @@ class PreparedRequest:
         return adapter_namespace(self.engine_namespace, self.lora.identity if self.lora else None)
 
 
-def _chat_text(ctx: WorkerContext, req: ChatCompletionRequest) -> str:
+def _chat_token_ids(ctx: WorkerContext, req: ChatCompletionRequest) -> list[int]:
     for i, m in enumerate(req.messages):
         content = m.get("content")
         if isinstance(content, list):
@@ -61,15 +61,28 @@ def _chat_text(ctx: WorkerContext, req: ChatCompletionRequest) -> str:
                                       f"{ctx.model_name} accepts text only",
                                       f"messages[{i}].content[{j}].type", "unsupported")
     try:
-        return ctx.tokenizer.apply_chat_template(req.messages, req.tools, add_generation_prompt=True)
+        return ctx.tokenizer.encode_chat(req.messages, req.tools, add_generation_prompt=True,
+                                         template_kwargs=req.chat_template_kwargs)
     except InvalidRequestError as exc:
-        raise bad_request(str(exc), "messages") from None
+        param = "chat_template_kwargs" if "chat_template_kwargs" in str(exc) else "messages"
+        raise bad_request(str(exc), param) from None
+
+
+def check_tool_choice(ctx: WorkerContext, req: ChatCompletionRequest) -> None:
+    """vLLM's rule: tools the model may call (``tool_choice`` auto, the default with tools) need
+    a ``--tool-call-parser`` to turn its text into ``tool_calls``; else 400, never a silent
+    answer without calls."""
+    if req.tools and req.tool_choice != "none" and ctx.tool_parser is None:
+        raise bad_request(f"\"{req.tool_choice}\" tool choice requires the worker to run with --tool-call-parser; "
+                          "send \"tool_choice\": \"none\" to give the model the tools without calls",
+                          "tool_choice", "unsupported")
 
 
 def prompt_token_ids(ctx: WorkerContext, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
-    """Tokenize the request's prompt (chat: through the chat template); BOS as the model wants."""
+    """Tokenize the request's prompt (chat: through the chat template, as transformers'
+    ``apply_chat_template(tokenize=True)``); BOS as the model wants."""
     if isinstance(req, ChatCompletionRequest):
-        return ctx.tokenizer.encode(_chat_text(ctx, req), add_bos=True)
+        return _chat_token_ids(ctx, req)
     if isinstance(req.prompt, str):
         return ctx.tokenizer.encode(req.prompt, add_bos=True)
     vocab = ctx.engine.engine.vocab_size
@@ -100,6 +113,8 @@ def resolve_lora(ctx: WorkerContext, req: CompletionRequest | ChatCompletionRequ
 def prepare(ctx: WorkerContext, req: CompletionRequest | ChatCompletionRequest) -> PreparedRequest:
     """Validate against this worker and build the engine's view of ``req`` (or raise 4xx)."""
     lora = resolve_lora(ctx, req)
+    if isinstance(req, ChatCompletionRequest):
+        check_tool_choice(ctx, req)
     try:
         rendered = render_request(req.body, req.chat)
     except RenderError as exc:
