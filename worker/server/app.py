@@ -31,6 +31,7 @@ from protocol.messages import KV_CLEARED
 from protocol.openai_api import RequestLimits
 from worker.server.api import lora_routes, openai_routes, probes
 from worker.server.api.context import CTX, WorkerContext
+from worker.server.api.tool_calls import make_parser
 from worker.server.api.errors import error_middleware
 from worker.engine.async_engine import AsyncLLMEngine
 from worker.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, EngineConfig
@@ -140,7 +141,8 @@ def make_context(cfg: ServerConfig, engine: AsyncLLMEngine, built: BuiltEngine) 
                          limits=RequestLimits(max_body_bytes=cfg.max_body_bytes), simulated=cfg.simulate,
                          info_extra=built.info, extra_metrics=built.metrics,
                          body_timeout=cfg.body_timeout, mapper=KVEventMapper(max_blocks=table),
-                         api_keys=tuple(cfg.api_keys), recorded=built.answers, publisher_factory=publisher)
+                         api_keys=tuple(cfg.api_keys), recorded=built.answers, publisher_factory=publisher,
+                         tool_parser=make_parser(cfg.tool_call_parser) if cfg.tool_call_parser else None)
 
 
 async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> int:

@@ -47,6 +47,10 @@ class ServerConfig:
                                     "(default: the checkpoint's; a checkpoint without one is refused)")
     chat_template: str | None = setting(None, "Jinja chat template FILE replacing the checkpoint's (a checkpoint "
                                         "without one serves completions only)")
+    tool_call_parser: str | None = setting(
+        None, "turn the model's tool calls into tool_calls (vLLM's parser names): hermes (<tool_call> JSON; "
+        "Hermes, Qwen 2.5) or llama3_json (Llama 3.x); without it, requests with tools the model may call are a "
+        "400", choices=("hermes", "llama3_json"))
     served_model_name: str | None = setting(None, "model name clients use (default: the preset or directory name)")
     kv_blocks: int | None = setting(None, "number of KV-cache blocks (wins over --kv-memory)", minimum=1)
     kv_memory: str | None = setting(None, "KV-cache size, e.g. 512MiB (simulated: per GPU)")

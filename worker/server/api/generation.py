@@ -19,6 +19,7 @@ from protocol.openai_api import (ChatCompletionRequest, CompletionRequest, bad_r
                                  model_not_found)
 from protocol.render import RenderError, render_request
 from worker.server.api.context import WorkerContext
+from worker.server.api.tool_calls import ToolCallParser
 from worker.engine.errors import InvalidRequestError
 from worker.engine.kv_cache.hashing import adapter_namespace
 from worker.engine.lora.adapter import LoRAAdapter
@@ -76,6 +77,14 @@ def check_tool_choice(ctx: WorkerContext, req: ChatCompletionRequest) -> None:
         raise bad_request(f"\"{req.tool_choice}\" tool choice requires the worker to run with --tool-call-parser; "
                           "send \"tool_choice\": \"none\" to give the model the tools without calls",
                           "tool_choice", "unsupported")
+
+
+def tool_parser_for(ctx: WorkerContext, req: CompletionRequest | ChatCompletionRequest) -> ToolCallParser | None:
+    """The parser to read ``req``'s answers with: the worker's, for a chat whose tools the model
+    may call; None otherwise (the answer is content only)."""
+    if isinstance(req, ChatCompletionRequest) and req.tools and req.tool_choice != "none":
+        return ctx.tool_parser
+    return None
 
 
 def prompt_token_ids(ctx: WorkerContext, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
