@@ -112,3 +112,28 @@ def test_a_checkpoint_without_a_tokenizer_is_refused_at_start_with_a_clear_messa
     assert done.returncode == 2
     assert "has no tokenizer.json: give the checkpoint's tokenizer with --tokenizer DIR" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("chat, field, value", [
+    (True, "guided_json", {"type": "object"}),
+    (True, "structured_outputs", {"regex": "[0-9]+"}),
+    (True, "chat_template", "{{ messages }}"),
+    (True, "continue_final_message", True),
+    (True, "add_generation_prompt", False),
+    (True, "parallel_tool_calls", False),
+    (True, "functions", [{"name": "f"}]),
+    (False, "guided_regex", "[a-z]+"),
+    (False, "prompt_logprobs", 1),
+])
+def test_fields_the_worker_cannot_honour_are_refused_not_ignored(workers, chat, field, value):
+    body = {"model": "tiny", "max_tokens": 1, field: value}
+    body.update({"messages": HELLO} if chat else {"prompt": "Hello"})
+    reply = call(workers["templated"] + ("/v1/chat/completions" if chat else "/v1/completions"), "POST", body)
+    assert reply.status == 400, reply.raw
+    assert (reply.json["error"]["param"], reply.json["error"]["code"]) == (field, "unsupported")
+
+
+def test_neutral_values_of_those_fields_are_served(workers):
+    body = {"model": "tiny", "max_tokens": 1, "messages": HELLO, "add_generation_prompt": True,
+            "parallel_tool_calls": True, "guided_json": None, "modalities": ["text"]}
+    assert call(workers["templated"] + "/v1/chat/completions", "POST", body).status == 200

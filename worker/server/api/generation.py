@@ -69,6 +69,27 @@ def _chat_token_ids(ctx: WorkerContext, req: ChatCompletionRequest) -> list[int]
         raise bad_request(str(exc), param) from None
 
 
+# Fields vLLM or OpenAI honour that this worker cannot, with the values that ask for nothing. A
+# request that sets one otherwise is refused (400 "unsupported"), never served as if it had not.
+UNHONOURED_FIELDS: dict[str, tuple[object, ...]] = {
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "structured_outputs": (None,), "prompt_logprobs": (None,), "prediction": (None,), "audio": (None,),
+}
+UNHONOURED_CHAT_FIELDS: dict[str, tuple[object, ...]] = {
+    "functions": (None,), "function_call": (None, "none"), "chat_template": (None,),
+    "continue_final_message": (None, False), "add_generation_prompt": (None, True), "documents": (None,),
+    "modalities": (None, ["text"]), "parallel_tool_calls": (None, True),
+}
+
+
+def check_unhonoured_fields(ctx: WorkerContext, req: CompletionRequest | ChatCompletionRequest) -> None:
+    """400 for a field this worker would otherwise ignore although it changes the answer."""
+    fields = {**UNHONOURED_FIELDS, **UNHONOURED_CHAT_FIELDS} if req.chat else UNHONOURED_FIELDS
+    for name, neutral in fields.items():
+        if name in req.body and req.body[name] not in neutral:
+            raise bad_request(f"'{name}' is not supported by {ctx.model_name} on this worker", name, "unsupported")
+
+
 def check_tool_choice(ctx: WorkerContext, req: ChatCompletionRequest) -> None:
     """vLLM's rule: tools the model may call (``tool_choice`` auto, the default with tools) need
     a ``--tool-call-parser`` to turn its text into ``tool_calls``; else 400, never a silent
@@ -122,6 +143,7 @@ def resolve_lora(ctx: WorkerContext, req: CompletionRequest | ChatCompletionRequ
 def prepare(ctx: WorkerContext, req: CompletionRequest | ChatCompletionRequest) -> PreparedRequest:
     """Validate against this worker and build the engine's view of ``req`` (or raise 4xx)."""
     lora = resolve_lora(ctx, req)
+    check_unhonoured_fields(ctx, req)
     if isinstance(req, ChatCompletionRequest):
         check_tool_choice(ctx, req)
     try:
