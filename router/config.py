@@ -104,8 +104,8 @@ class RouterConfig:
                                        minimum=0.5)
     startup_sync_timeout: float = setting(10.0, "seconds to wait for Redis state before serving anyway",
                                           minimum=0.0)
-    max_body_bytes: int = setting(16 * 1024 * 1024, "largest request body accepted (413 beyond)",
-                                  minimum=1024)
+    max_body_bytes: int = setting(16 * 1024 * 1024, "largest request body accepted (413 beyond), bytes or "
+                                  "e.g. 16MiB", minimum=1024, size=True)
     connect_timeout: float = setting(5.0, "seconds to connect to a worker", minimum=0.05)
     read_timeout: float = setting(600.0, "seconds a worker may stay silent mid-response", minimum=0.1)
     max_attempts: int = setting(3, "workers tried before the first byte, on connection errors, timeouts "
@@ -117,9 +117,9 @@ class RouterConfig:
     max_inflight: int = setting(4096, "requests the router serves at once (0: no global limit); beyond, "
                                 "they queue", minimum=0)
     max_queue: int = setting(256, "requests that may wait for capacity (global or per-worker limit); "
-                             "beyond, 429", minimum=0)
+                             "beyond, 429 (bytes or e.g. 64MiB)", minimum=0, size=True)
     max_queue_bytes: int = setting(64 * 1024 * 1024, "request-body bytes that may wait in the queue; "
-                                   "beyond, 429", minimum=0)
+                                   "beyond, 429 (bytes or e.g. 64MiB)", minimum=0, size=True)
     queue_timeout: float = setting(5.0, "seconds a request may wait in the queue before a 429", minimum=0.0)
     breaker_cool_down: float = setting(1.0, "seconds a worker's open breaker waits before a good probe may "
                                        "half-open it (doubles on each failed trial)", minimum=0.0)
@@ -142,8 +142,8 @@ class RouterConfig:
                                       "listed)")
     prewarm_top: int = setting(0, "send a joining worker the K hottest prefixes (max_tokens=1) before it "
                                "takes traffic (0: off)", minimum=0, maximum=1024)
-    prewarm_max_bytes: int = setting(1024 * 1024, "largest request body kept as a pre-warm sample",
-                                     minimum=0)
+    prewarm_max_bytes: int = setting(1024 * 1024, "largest request body kept as a pre-warm sample "
+                                     "(bytes or e.g. 1MiB)", minimum=0, size=True)
     prewarm_timeout: float = setting(30.0, "seconds pre-warming a worker may take before it gets "
                                      "traffic anyway", minimum=0.1)
     log_level: str = setting("info", "log level", choices=("debug", "info", "warning", "error"))

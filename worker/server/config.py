@@ -6,7 +6,6 @@ Flags are the field names with dashes (``--kv-blocks``), environment variables
 """
 from __future__ import annotations
 
-import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,26 +13,12 @@ from typing import Sequence
 
 from protocol.hashing import DEFAULT_CHUNK_SIZE
 from protocol.keys import DEFAULT_PREFIX
-from protocol.settings import SettingsError, load_settings, setting
+from protocol.settings import SettingsError, load_settings, parse_size, setting
 from worker.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from worker.simulator.profiles import SIM_MAX_NUM_BATCHED_TOKENS, SIM_MAX_NUM_SEQS
 
 ENV_PREFIX = "PREFIXLB_WORKER_"
 PRESETS = ("tiny", "small")
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "ki": 1024,
-          "m": 1000**2, "mb": 1000**2, "mib": 1024**2, "mi": 1024**2,
-          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "gi": 1024**3,
-          "t": 1000**4, "tb": 1000**4, "tib": 1024**4, "ti": 1024**4}
-
-
-def parse_size(text: str) -> int:
-    """Bytes in a size like ``512MiB``, ``2G``, ``1.5GiB`` or ``1048576``."""
-    m = _SIZE.match(text or "")
-    unit = (m.group(2) or "").lower() if m else None
-    if not m or unit not in _UNITS:
-        raise SettingsError(f"invalid size {text!r}; use e.g. 512MiB, 2GiB or a byte count")
-    return int(float(m.group(1)) * _UNITS[unit])
 
 
 @dataclass(slots=True)
@@ -85,7 +70,8 @@ class ServerConfig:
     kv_stream_maxlen: int = setting(100_000, "approximate bound of the Redis KV-event stream", minimum=100)
     publish_queue: int = setting(10_000, "events buffered while Redis is slow or down (oldest dropped)", minimum=1)
     kv_event_table: int | None = setting(None, "block->chunk mapping entries kept (default: 4 x KV blocks)", minimum=1)
-    max_body_bytes: int = setting(16 * 1024 * 1024, "largest request body accepted (413 above)", minimum=1024)
+    max_body_bytes: int = setting(16 * 1024 * 1024, "largest request body accepted (413 above), bytes or e.g. 16MiB",
+                                  minimum=1024, size=True)
     body_timeout: float = setting(30.0, "seconds a client may take to send its body (408 after)", minimum=0.1)
     drain_timeout: float = setting(30.0, "seconds SIGTERM waits for in-flight requests", minimum=0)
     api_keys: list[str] = setting(list, "API key required as 'Authorization: Bearer <key>' on every "
@@ -172,10 +158,17 @@ def load_server_config(argv: Sequence[str] | None = None, environ: dict[str, str
 
 
 def check_server_config(cfg: ServerConfig) -> None:
-    """Refuse what the engine would refuse later, now (SettingsError): sizes, recorded answers,
-    ``--lora`` specs."""
+    """Refuse what the engine would refuse later, now (SettingsError): sizes, the Redis URL,
+    recorded answers, ``--lora`` specs."""
     if cfg.kv_memory:
         parse_size(cfg.kv_memory)  # refuse a bad size now, not when the engine starts
+    if cfg.redis:
+        from protocol.redis_url import RedisURLError, check_redis_url
+
+        try:
+            check_redis_url(cfg.redis)
+        except RedisURLError as exc:
+            raise SettingsError(f"--redis: {exc}") from None
     if cfg.sim_answers is not None and (not cfg.simulate or not cfg.sim_answers_model):
         raise SettingsError("--sim-answers replays recorded answers on a simulated worker: it needs --simulate "
                             "and --sim-answers-model")
