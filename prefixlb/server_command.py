@@ -8,12 +8,12 @@ valid, 1 when the server cannot start (e.g. the port is taken), else the server'
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Coroutine
 
 from prefixlb.aio import run as run_loop
+from prefixlb.log_format import configure_logging
 from protocol.settings import SettingsError, build_parser, load_settings
 
 Serve = Callable[[Any], Coroutine[Any, Any, int]]
@@ -50,8 +50,7 @@ class ServerCommand:
         except SettingsError as exc:
             print(f"prefixlb {self.name}: {exc}", file=sys.stderr)
             return 2
-        logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
-                            format="%(asctime)s %(levelname)s %(name)s %(message)s")
+        configure_logging(cfg.log_level, cfg.log_format)
         serve, invalid = self.load()
         try:
             return run_loop(serve(cfg))

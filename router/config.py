@@ -147,6 +147,8 @@ class RouterConfig:
     prewarm_timeout: float = setting(30.0, "seconds pre-warming a worker may take before it gets "
                                      "traffic anyway", minimum=0.1)
     log_level: str = setting("info", "log level", choices=("debug", "info", "warning", "error"))
+    log_format: str = setting("text", "log lines as text (key=value) or json (one object per line, each key a "
+                              "field)", choices=("text", "json"))
 
     def policy_config(self) -> PolicyConfig:
         """The policy knobs as the pure policy sees them."""

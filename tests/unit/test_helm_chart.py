@@ -192,14 +192,14 @@ def test_every_router_knob_in_values_reaches_the_routers_settings():
         "limits": {"maxInflightPerWorker": 48, "maxBodyBytes": 1048576, "maxAttempts": 3,
                    "connectTimeoutSeconds": 1.5, "readTimeoutSeconds": 120},
         "health": {"intervalSeconds": 1, "timeoutSeconds": 0.5, "unhealthyAfter": 4},
-        "logLevel": "debug", "extraArgs": ["--tie-tolerance=0.1"]}}
+        "logLevel": "debug", "logFormat": "json", "extraArgs": ["--tie-tolerance=0.1"]}}
     cfg = load_router_config(_router_args(render_chart(values)))
     assert (cfg.session_headers, cfg.session_fields, cfg.chunk_size) == (["x-conversation"], ["user"], 256)
     assert (cfg.index_max_entries, cfg.index_optimistic_ttl, cfg.index_confirmed_ttl) == (50000, 12.5, 900.0)
     assert (cfg.max_inflight_per_worker, cfg.max_body_bytes, cfg.max_attempts) == (48, 1048576, 3)
     assert (cfg.connect_timeout, cfg.read_timeout) == (1.5, 120.0)
     assert (cfg.health_interval, cfg.health_timeout, cfg.unhealthy_after) == (1.0, 0.5, 4)
-    assert (cfg.log_level, cfg.tie_tolerance) == ("debug", 0.1)
+    assert (cfg.log_level, cfg.log_format, cfg.tie_tolerance) == ("debug", "json", 0.1)
 
 
 def test_failure_handling_knobs_in_values_reach_the_routers_settings():
@@ -240,13 +240,13 @@ def test_every_worker_knob_in_values_reaches_the_workers_settings():
         "model": "small", "servedModelName": "assistant", "kvBlocks": 4096, "blockSize": 32,
         "maxNumSeqs": 16, "maxNumBatchedTokens": 4096, "maxModelLen": 8192,
         "attentionBackend": "triton", "logLevel": "warning", "drainTimeoutSeconds": 90,
-        "dtype": "bfloat16", "gpuMemoryUtilization": 0.85, "extraArgs": ["--seed=7"]}}
+        "dtype": "bfloat16", "gpuMemoryUtilization": 0.85, "logFormat": "json", "extraArgs": ["--seed=7"]}}
     cfg = load_server_config(_worker_args(render_chart(values)))
     assert (cfg.model, cfg.served_model_name, cfg.kv_blocks, cfg.block_size) == ("small", "assistant", 4096, 32)
     assert (cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len) == (16, 4096, 8192)
     assert (cfg.attention_backend, cfg.chunk_size, cfg.log_level) == ("triton", 256, "warning")
     assert (cfg.drain_timeout, cfg.seed) == (90.0, 7)
-    assert (cfg.dtype, cfg.gpu_memory_utilization) == ("bfloat16", 0.85)
+    assert (cfg.dtype, cfg.gpu_memory_utilization, cfg.log_format) == ("bfloat16", 0.85, "json")
 
 
 def test_by_default_a_gpu_worker_sizes_its_kv_cache_from_the_gpus_memory_in_the_checkpoints_dtype():

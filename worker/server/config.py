@@ -96,6 +96,8 @@ class ServerConfig:
                                         minimum=1)
     max_lora_rank: int = setting(16, "largest LoRA rank accepted (sizes the GPU slots)", minimum=1, maximum=1024)
     log_level: str = setting("info", "log level", choices=("debug", "info", "warning", "error"))
+    log_format: str = setting("text", "log lines as text (key=value) or json (one object per line, each key a "
+                              "field)", choices=("text", "json"))
 
     @property
     def model_name(self) -> str:

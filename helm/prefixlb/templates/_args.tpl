@@ -61,6 +61,7 @@ whole numbers are printed as integers.
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--prewarm-max-bytes" "value" $r.prewarm.maxBytes) -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--prewarm-timeout" "value" $r.prewarm.timeoutSeconds) -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--log-level" "value" $r.logLevel) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--log-format" "value" $r.logFormat) -}}
 {{- if and $r.adminPort (eq (int $r.adminPort) (int $r.port)) -}}
 {{- fail "router.adminPort must differ from router.port (null: the admin API on the API port)" -}}
 {{- end -}}
@@ -167,6 +168,7 @@ whole numbers are printed as integers.
 {{- /* The routers' body limit: what a router accepts, its worker accepts too. */ -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--max-body-bytes" "value" .Values.router.limits.maxBodyBytes) -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--log-level" "value" $w.logLevel) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--log-format" "value" $w.logFormat) -}}
 {{- if include "prefixlb.hasRedis" . -}}
 {{- if and (not .Values.redis.enabled) .Values.redis.url -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--redis" "value" .Values.redis.url) -}}
