@@ -36,10 +36,12 @@ class ServerCommand:
     epilog: str
     load: Callable[[], tuple[Serve, tuple[type[BaseException], ...]]]
     check: Callable[[Any], None] | None = None
+    help_groups: dict[str, tuple[str, ...]] | None = None  # --help by topic (protocol/settings.py)
 
     def main(self, argv: list[str]) -> int:
         """Parse settings, run the server until SIGTERM, return its exit status."""
-        parser = build_parser(self.schema, env_prefix=self.env_prefix, prog=f"prefixlb {self.name}",
+        parser = build_parser(self.schema, env_prefix=self.env_prefix, groups=self.help_groups,
+                              prog=f"prefixlb {self.name}",
                               description=self.description, epilog=self.epilog,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
         args = parser.parse_args(argv)

@@ -182,11 +182,14 @@ def build_parser(
     cls: type,
     parser: argparse.ArgumentParser | None = None,
     env_prefix: str = "PREFIXLB_",
+    groups: Mapping[str, Sequence[str]] | None = None,
     **parser_kwargs: Any,
 ) -> argparse.ArgumentParser:
     """Add one flag per field of ``cls`` (plus ``--config FILE``) to ``parser``.
 
     Flags default to "not given" so that :func:`load_settings` can layer YAML and env beneath.
+    ``groups`` (title -> field names) sorts the flags of ``--help`` by topic; a field in no group
+    is listed under "other options". A name that is no field is a ValueError.
     """
     if parser is None:
         parser = argparse.ArgumentParser(**parser_kwargs)
@@ -194,7 +197,18 @@ def build_parser(
         "--config", default=argparse.SUPPRESS, metavar="FILE",
         help=f"YAML file with settings (keys = option names; env {env_prefix}CONFIG)",
     )
+    group_of: dict[str, Any] = {}
+    if groups:
+        names = {f.name for f, _ in _fields(cls)}
+        for title, members in groups.items():
+            unknown = [m for m in members if m not in names]
+            if unknown:
+                raise ValueError(f"help group {title!r} names no setting of {cls.__name__}: {unknown}")
+            group = parser.add_argument_group(title)
+            group_of.update({m: group for m in members})
+        other = parser.add_argument_group("other options")
     for f, tp in _fields(cls):
+        target = group_of.get(f.name, other) if groups else parser
         base, _ = _base_type(tp)
         default = f.default if f.default is not _MISSING else (
             f.default_factory() if f.default_factory is not _MISSING else None)  # type: ignore[misc]
@@ -214,7 +228,7 @@ def build_parser(
             if choices:
                 kwargs["choices"] = choices
                 kwargs.pop("metavar")
-        parser.add_argument(_flag(f), **kwargs)
+        target.add_argument(_flag(f), **kwargs)
     return parser
 
 

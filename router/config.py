@@ -191,6 +191,28 @@ def check_router_config(cfg: RouterConfig) -> None:
             raise SettingsError(f"--tokenizer {entry!r}: expected MODEL=DIR")
 
 
+# `prefixlb router --help`, by topic (a setting in no group is listed under "other options").
+HELP_GROUPS: dict[str, tuple[str, ...]] = {
+    "listening, access and logs": ("host", "port", "admin_token", "admin_port", "api_keys", "shutdown_grace",
+                                   "log_level", "log_format"),
+    "workers and discovery": ("workers", "worker_allow", "worker_api_key", "k8s_selector", "k8s_namespace",
+                              "k8s_port", "tokenizers", "registry_interval", "registry_grace"),
+    "Redis": ("redis", "redis_prefix", "redis_signing_secret", "snapshot_interval", "startup_sync_timeout"),
+    "routing policy": ("policy", "affinity", "session_headers", "session_fields", "chunk_size", "ring_key_chunks",
+                       "tie_tolerance", "attention_knee_tokens", "hash_load_factor", "ring_candidates",
+                       "load_candidates", "match_candidates", "vnodes", "tokens_per_byte", "prefill_tokens_per_s",
+                       "decode_step_s", "max_num_seqs", "feedback_clear_after"),
+    "prefix index": ("index_max_entries", "index_optimistic_ttl", "index_confirmed_ttl"),
+    "limits and admission": ("max_body_bytes", "body_timeout", "max_inflight", "max_inflight_per_worker",
+                             "max_queue", "max_queue_bytes", "queue_timeout"),
+    "proxy, retries and health checks": ("connect_timeout", "read_timeout", "max_attempts", "retry_deadline",
+                                         "health_interval", "health_jitter", "health_timeout", "unhealthy_after",
+                                         "breaker_cool_down", "breaker_max_cool_down", "half_open_successes",
+                                         "half_open_max_inflight"),
+    "pre-warming": ("prewarm_top", "prewarm_max_bytes", "prewarm_timeout"),
+}
+
+
 def load_router_config(argv: Sequence[str] | None = None,
                        environ: Mapping[str, str] | None = None) -> RouterConfig:
     """RouterConfig from defaults < YAML (``--config``) < ``PREFIXLB_ROUTER_*`` env < flags."""

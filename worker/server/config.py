@@ -152,6 +152,22 @@ class ServerConfig:
         return parse_size(self.kv_memory) if self.kv_memory else None
 
 
+# `prefixlb worker --help`, by topic (a setting in no group is listed under "other options").
+HELP_GROUPS: dict[str, tuple[str, ...]] = {
+    "model": ("model", "served_model_name", "tokenizer", "chat_template", "tool_call_parser", "dtype", "device",
+              "attention_backend", "threads", "seed"),
+    "KV cache and batching": ("kv_blocks", "kv_memory", "gpu_memory_utilization", "block_size", "max_num_seqs",
+                              "max_num_batched_tokens", "max_model_len"),
+    "server": ("host", "port", "worker_id", "advertise", "api_keys", "max_body_bytes", "body_timeout",
+               "drain_timeout", "log_level", "log_format"),
+    "Redis and KV events": ("redis", "redis_prefix", "redis_signing_key", "heartbeat_interval", "registry_ttl",
+                            "kv_stream_maxlen", "publish_queue", "kv_event_table", "chunk_size"),
+    "LoRA adapters": ("enable_lora", "lora_modules", "max_loras", "max_cpu_loras", "max_lora_rank"),
+    "simulated GPU (--simulate)": ("simulate", "gpu", "sim_model", "sim_tp", "time_scale", "sim_output_len",
+                                   "sim_answers", "sim_answers_model"),
+}
+
+
 def load_server_config(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> ServerConfig:
     """Read a ServerConfig from ``argv`` (``prefixlb worker`` flags), env and ``--config``."""
     cfg = load_settings(ServerConfig, argv, env_prefix=ENV_PREFIX, environ=environ)
