@@ -44,6 +44,7 @@ class SimSettings:
     upper_bound: bool = setting(False, "one worker with the whole fleet's capacity and compute")
     out: str = setting("runs/sim", "output directory")
     label: str | None = setting(None, "name of this run in reports (default: the directory name)")
+    progress: bool = setting(True, "show a progress bar (requests simulated) on stderr")
 
 
 def build_workload(s: SimSettings) -> Workload:

@@ -13,6 +13,7 @@ import heapq
 import math
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 from worker.simulator.latency import LatencyModel
 from worker.simulator.profiles import SIM_MAX_NUM_BATCHED_TOKENS, SIM_MAX_NUM_SEQS, get_gpu, get_model
@@ -78,20 +79,26 @@ def build_workers(cfg: FleetConfig, latency: LatencyModel) -> list[SimWorker]:
                         decode_runs=cfg.decode_runs, aggregate=cfg.aggregate) for i in range(n)]
 
 
-def simulate(workload: Workload, cfg: FleetConfig) -> SimResult:
-    """Run ``workload`` through the fleet; deterministic for a given workload and config."""
+PROGRESS_EVERY = 1024  # requests between two calls of simulate's ``progress``
+
+
+def simulate(workload: Workload, cfg: FleetConfig, progress: Callable[[int], None] | None = None) -> SimResult:
+    """Run ``workload`` through the fleet; deterministic for a given workload and config.
+
+    ``progress(n)`` is called with the number of requests newly routed, every
+    :data:`PROGRESS_EVERY` requests and at the end (a progress bar's ``update``)."""
     # A run allocates millions of long-lived objects and frees almost no reference cycles: the
     # cyclic collector's passes over them cost ~15% of a run and find nothing.
     collecting = gc.isenabled()
     gc.disable()
     try:
-        return _simulate(workload, cfg)
+        return _simulate(workload, cfg, progress)
     finally:
         if collecting:
             gc.enable()
 
 
-def _simulate(workload: Workload, cfg: FleetConfig) -> SimResult:
+def _simulate(workload: Workload, cfg: FleetConfig, progress: Callable[[int], None] | None) -> SimResult:
     started = time.perf_counter()
     latency = build_latency(cfg)
     workers = build_workers(cfg, latency)
@@ -146,7 +153,11 @@ def _simulate(workload: Workload, cfg: FleetConfig) -> SimResult:
 
     hasher = UnitHasher(cfg.unit)  # = bench.workloads.unit_hashes, memoised
     speedup, bos, fits, route = cfg.speedup, cfg.bos_tokens, workers[0].fits, router.route
-    for spec in workload.requests:
+    reported = 0
+    for i, spec in enumerate(workload.requests):
+        if progress is not None and i - reported >= PROGRESS_EVERY:
+            progress(i - reported)
+            reported = i
         now = spec.arrival_s / speedup
         run_until(now)
         req = SimRequest(spec.index, now, hasher(spec.segments), spec.prompt_tokens + bos, spec.max_tokens,
@@ -170,6 +181,8 @@ def _simulate(workload: Workload, cfg: FleetConfig) -> SimResult:
             seq += 1
             heappush(heap, (nxt, seq, wi, w.version))
     run_until(float("inf"))
+    if progress is not None:
+        progress(len(requests) - reported)
 
     end = max((r.finished_at or r.arrival for r in requests), default=0.0)
     for r in requests:
