@@ -84,3 +84,13 @@ def test_dtype_auto_is_the_checkpoints_on_an_accelerator_and_float32_on_a_cpu(re
 def test_a_checkpoint_dtype_the_engine_cannot_run_asks_for_an_explicit_dtype():
     with pytest.raises(ModelLoadError, match="choose one with --dtype"):
         resolve_dtype("auto", "float8_e4m3fn", "cuda")
+
+
+def test_the_lora_slot_reserve_is_what_the_slots_allocate():
+    from worker.engine.kv_sizing import lora_slot_bytes
+    from worker.engine.lora.weights import LoRASlotWeights
+    from worker.engine.model.presets import preset_config
+
+    config = preset_config("tiny")
+    slots = LoRASlotWeights(config, max_loras=3, max_rank=8, dtype=torch.bfloat16, device="cpu")
+    assert lora_slot_bytes(config, 3, 8, 2) == slots.num_bytes > 0

@@ -9,6 +9,7 @@ activations of one engine step (estimated by :func:`activation_bytes`); the rest
     total x utilization
     ├── weights (+ CUDA context)      free_before_load - free_after_load
     ├── activations of one step       activation_bytes(...)
+    ├── LoRA slots (with LoRA)        lora_slot_bytes(...)
     └── KV cache                      the rest, in whole blocks
 
 On a CPU the pool is at most :data:`DEFAULT_CPU_KV_MEMORY_BYTES` and :data:`DEFAULT_KV_BLOCKS`
@@ -45,6 +46,15 @@ def activation_bytes(config: ModelConfig, max_num_batched_tokens: int, max_num_s
     kv = config.num_key_value_heads * config.head_dim
     per_token = 2 * config.hidden_size + 3 * config.intermediate_size + 2 * q + 2 * kv
     return 2 * max_num_batched_tokens * per_token * dtype_bytes + 3 * max_num_seqs * config.vocab_size * 4
+
+
+def lora_slot_bytes(config: ModelConfig, max_loras: int, max_rank: int, dtype_bytes: int) -> int:
+    """Device memory of the LoRA slots (worker/engine/lora/weights.py): per layer and target
+    module, ``max_loras + 1`` stacks of A (rank x in) and B (out x rank)."""
+    from worker.engine.lora.adapter import target_features
+
+    per_layer = sum(max_rank * (in_f + out_f) for in_f, out_f in target_features(config).values())
+    return config.num_hidden_layers * (max_loras + 1) * per_layer * dtype_bytes
 
 
 def kv_blocks_for_gpu(total_bytes: int, free_before_load: int, free_after_load: int, utilization: float,

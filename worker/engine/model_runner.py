@@ -20,7 +20,7 @@ from kernels.backend import get_attention_backend, get_lora_backend
 from worker.engine.config import EngineConfig
 from worker.engine.errors import ModelLoadError
 from worker.engine.kv_sizing import (activation_bytes, kv_block_bytes, kv_blocks_for_cpu, kv_blocks_for_gpu,
-                                     kv_blocks_for_memory)
+                                     kv_blocks_for_memory, lora_slot_bytes)
 from worker.engine.lora.weights import LoRASlotWeights, build_lora_context
 from worker.engine.model.attention_context import AttentionContext
 from worker.engine.model.llama import LlamaForCausalLM
@@ -88,6 +88,8 @@ class TorchModelRunner:
         elif on_cuda:
             free_after, _ = torch.cuda.mem_get_info(device)
             reserve = activation_bytes(model.config, config.max_num_batched_tokens, config.max_num_seqs, elem)
+            if config.enable_lora:  # the slots are allocated after the KV cache
+                reserve += lora_slot_bytes(model.config, config.max_loras, config.max_lora_rank, elem)
             num_blocks = kv_blocks_for_gpu(total, free_before, free_after, config.gpu_memory_utilization,
                                            per_block, reserve)
         else:
