@@ -3,7 +3,8 @@
 Each case loads one tokenizer directory twice -- with transformers (``AutoTokenizer``) and with
 the worker's :class:`HFTokenizer` -- and compares the rendered text and the token ids
 (``tokenize=True``: the template's own special tokens, no BOS added twice) on the Llama 3,
-Qwen 2.5 and Mistral formats (tests/data/chat_templates) and on a template using the Jinja
+Qwen 2.5 and Mistral formats (tests/data/chat_templates; tool-call arguments given as OpenAI's
+JSON strings reach the template as objects, as vLLM hands them) and on a template using the Jinja
 features transformers adds: loop controls, ``strftime_now``, ``tojson`` arguments,
 ``raise_exception``, ``{% generation %}``, named templates and ``chat_template_kwargs``.
 """
@@ -58,6 +59,10 @@ def _pair(tmp_path, family: str, **kwargs):
 
 
 def _reference(hf, messages, tools, **kwargs):
+    """transformers' rendering of the conversation vLLM hands the template: tool-call arguments
+    as objects (OpenAI sends them as JSON strings)."""
+    messages = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.loads(
+        c["function"]["arguments"])}} for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in messages]
     text = hf.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True, **kwargs)
     ids = hf.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=True,
                                  return_dict=False, **kwargs)

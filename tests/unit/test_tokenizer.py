@@ -124,3 +124,15 @@ def test_incremental_hf_detokenizing_holds_back_a_split_character_and_flushes_a_
     assert pieces == ["", "é", "", "", "", "👋"] and text == "é👋"
     pieces, text = stream(tok, [BYTE_BOS_ID, 0xF0, 0x9F])  # special tokens skipped, a truncated character
     assert pieces == ["", "", ""] and text == "\ufffd"
+
+
+def test_tool_call_arguments_reach_the_template_as_objects_as_vllm_hands_them():
+    from worker.engine.chat_template import with_tool_call_objects
+
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    messages = [{"role": "assistant", "content": None, "tool_calls": [call, {**call, "function": {
+        "name": "g", "arguments": "not json"}}]}]
+    assert [c["function"]["arguments"] for c in with_tool_call_objects(messages)[0]["tool_calls"]] == [{"x": 1}, {}]
+    assert call["function"]["arguments"] == '{"x": 1}'  # the request's own messages are left alone
+    tpl = ChatTemplate("{% for m in messages %}{{ m.tool_calls[0].function.arguments | tojson }}{% endfor %}")
+    assert tpl.render(messages) == '{"x": 1}'

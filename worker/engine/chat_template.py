@@ -12,7 +12,8 @@ The default renders, for each message in order (tools first when given)::
 
 ``content`` may be a string or a list of OpenAI content parts (text parts are concatenated,
 other parts become their JSON); an assistant message's ``tool_calls`` follow its content as
-JSON. The format has no meaning to the tiny model; it only has to be deterministic and to make
+JSON. In both, a tool call's ``arguments`` (a JSON string in OpenAI's messages) is an object,
+as vLLM hands it to templates (:func:`with_tool_call_objects`). The format has no meaning to the tiny model; it only has to be deterministic and to make
 a longer conversation's prompt start with the shorter one's.
 """
 from __future__ import annotations
@@ -44,6 +45,29 @@ def _content_text(content: Any) -> str:
 NO_TEMPLATE_MESSAGE = ("this model has no chat template: start the worker with --chat-template FILE "
                        "(a Jinja chat template), or send /v1/completions")
 RESERVED_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+
+
+def with_tool_call_objects(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with each assistant tool call's ``arguments`` as an object, as vLLM hands them
+    to a template (OpenAI sends a JSON string; templates write ``arguments | tojson``): a string
+    that is not a JSON object becomes ``{}``. The caller's dicts are not changed."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if m.get("role") == "assistant" and isinstance(calls, list) and calls:
+            fixed = []
+            for call in calls:
+                fn = call.get("function") if isinstance(call, dict) else None
+                if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                    try:
+                        args = json.loads(fn["arguments"]) if fn["arguments"] else {}
+                    except ValueError:
+                        args = {}
+                    call = {**call, "function": {**fn, "arguments": args if isinstance(args, dict) else {}}}
+                fixed.append(call)
+            m = {**m, "tool_calls": fixed}
+        out.append(m)
+    return out
 
 
 def select_template(templates: dict[str, str], tools: list[Any] | None, name: str | None = None) -> str:
@@ -99,13 +123,15 @@ class ChatTemplate:
 
             source = select_template(self.templates, tools)
             try:
-                return render_chat_template(source, messages, tools or None, add_generation_prompt,
+                return render_chat_template(source, with_tool_call_objects(messages), tools or None,
+                                            add_generation_prompt,
                                             special_tokens=self._special, **kwargs)
             except ChatTemplateError as exc:
                 raise InvalidRequestError(f"chat template: {exc}") from exc
         if kwargs:
             raise InvalidRequestError("the built-in chat format takes no chat_template_kwargs "
                                       f"(got {', '.join(sorted(kwargs))})")
+        messages = with_tool_call_objects(messages)
         out = []
         if tools:
             out.append(f"<|tools|>\n{json.dumps(tools, sort_keys=True, ensure_ascii=False)}<|end|>\n")
