@@ -98,6 +98,14 @@ def simulate(workload: Workload, cfg: FleetConfig, progress: Callable[[int], Non
             gc.enable()
 
 
+def simulate_with_bar(workload: Workload, cfg: FleetConfig, show: bool = True) -> SimResult:
+    """:func:`simulate` with a progress bar of the requests routed on stderr (none unless ``show``)."""
+    from tqdm import tqdm
+
+    with tqdm(total=len(workload), disable=not show, unit="req", desc="simulated") as bar:
+        return simulate(workload, cfg, progress=bar.update)
+
+
 def _simulate(workload: Workload, cfg: FleetConfig, progress: Callable[[int], None] | None) -> SimResult:
     started = time.perf_counter()
     latency = build_latency(cfg)
