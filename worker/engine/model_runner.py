@@ -12,6 +12,7 @@ same rows carry their adapter's slot: BGMV over the decode rows, SGMV over each 
 """
 from __future__ import annotations
 
+import gc
 import time
 
 import torch
@@ -77,6 +78,9 @@ class TorchModelRunner:
         device = torch.device(config.device)
         on_cuda = device.type == "cuda" and config.num_kv_blocks is None and config.kv_memory_bytes is None
         if on_cuda:
+            # What an earlier engine of this process left in torch's cache is free for this one.
+            gc.collect()
+            torch.cuda.empty_cache()
             free_before, total = torch.cuda.mem_get_info(device)
         model = load_model(config.model, dtype, config.device)
         elem = torch.tensor([], dtype=dtype).element_size()
