@@ -36,8 +36,8 @@ def test_bench_sends_the_api_key_and_drives_either_endpoint(worker, tmp_path, en
     done = _bench(worker, tmp_path, "--api-key", KEY, "--endpoint", endpoint)
     assert done.returncode == 0, done.stderr
     records = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
-    assert len(records) == 6 and all(r["error"] is None for r in records)
-    assert all(r["ttft_ms"] > 0 and r["prompt_tokens"] > 0 for r in records)
+    assert len(records) == 6 and all(r["error"] is None for r in records), records
+    assert all(r["ttft_ms"] > 0 and r["prompt_tokens"] > 0 for r in records), records
     assert KEY not in "".join(p.read_text() for p in tmp_path.iterdir() if p.suffix in (".json", ".jsonl", ".md"))
 
 
