@@ -28,7 +28,7 @@ def _bench(url: str, out, *args: str, env: dict | None = None) -> subprocess.Com
     environ = {k: v for k, v in os.environ.items() if k != "OPENAI_API_KEY"}
     return subprocess.run([sys.executable, "-m", "prefixlb", "bench", "--target", url, "--workload", "system-prompt",
                            "--num-requests", "6", "--no-progress", "--out", str(out), *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=180, env={**environ, **(env or {})})
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env={**environ, **(env or {})})
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
