@@ -3,8 +3,9 @@
 Open loop (default): each request leaves at its arrival time, ``arrival_s / (speedup ×
 time_scale)`` seconds of wall time after the start, whether or not earlier ones finished.
 Closed loop (``concurrency``): that many requests are kept in flight, arrivals ignored.
-Every request streams (``/v1/completions``, ``stream_options.include_usage``), so the time to
-the first chunk is the TTFT; the final usage chunk carries prompt, cached and completion tokens,
+Every request streams (``/v1/completions``, or ``/v1/chat/completions`` with ``chat``: the prompt
+as one user message; ``stream_options.include_usage``), so the time to the first chunk that
+carries output is the TTFT (a chat stream's opening role-only chunk does not count); the final usage chunk carries prompt, cached and completion tokens,
 and ``system_fingerprint`` (or the ``X-Prefixlb-Worker-Id`` header) names the worker.
 Measured times are multiplied by ``time_scale`` (the simulated workers ran that much faster).
 """
@@ -39,15 +40,17 @@ class LoadConfig:
     duration_s: float | None = None
     request_timeout_s: float = 600.0
     session_header: str = "x-session-id"
-    headers: dict[str, str] = field(default_factory=dict)
+    headers: dict[str, str] = field(default_factory=dict)  # sent with every call (Authorization, ...)
     progress: bool = True
     seed: int = 0
+    chat: bool = False  # /v1/chat/completions instead of /v1/completions
 
 
 class _Stream:
     """Parses an SSE completion stream without decoding every chunk (the bench shares the CPU)."""
 
-    def __init__(self) -> None:
+    def __init__(self, chat: bool = False) -> None:
+        self.chat = chat
         self.first_at: float | None = None
         self.worker_id: str | None = None
         self.usage: dict | None = None
@@ -74,26 +77,36 @@ class _Stream:
             self.worker_id = self.worker_id or chunk.get("system_fingerprint")
             if chunk.get("usage"):
                 self.usage = chunk["usage"]
-            if first and chunk.get("choices"):
+            if first and chunk.get("choices") and (not self.chat or _has_output(chunk)):
                 self.first_at = now
         elif first:
             self.first_at = now
+
+
+def _has_output(chunk: dict) -> bool:
+    delta = (chunk["choices"][0] or {}).get("delta") or {}
+    return bool(delta.get("content") or delta.get("tool_calls") or delta.get("reasoning_content"))
 
 
 async def send_one(session: aiohttp.ClientSession, cfg: LoadConfig, spec: RequestSpec, prompt: str,
                    start: float) -> RequestRecord:
     """Send one streaming completion and record what happened (never raises)."""
     # A request for a LoRA adapter names it as its model (vLLM's convention).
-    body = {"model": spec.adapter or cfg.model, "prompt": prompt, "max_tokens": spec.max_tokens, "stream": True,
+    body = {"model": spec.adapter or cfg.model, "max_tokens": spec.max_tokens, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0.0}
+    if cfg.chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
     headers = dict(cfg.headers)
     if spec.session:
         headers[cfg.session_header] = spec.session
     sent = time.perf_counter()
     rec = RequestRecord(index=spec.index, sent_s=(sent - start) * cfg.time_scale, session=spec.session)
-    stream = _Stream()
+    stream = _Stream(cfg.chat)
+    path = "/v1/chat/completions" if cfg.chat else "/v1/completions"
     try:
-        async with session.post(cfg.target.rstrip("/") + "/v1/completions", json=body, headers=headers) as resp:
+        async with session.post(cfg.target.rstrip("/") + path, json=body, headers=headers) as resp:
             for name in WORKER_HEADERS:
                 rec.worker_id = rec.worker_id or resp.headers.get(name)
             if resp.status >= 400:
@@ -125,10 +138,13 @@ async def send_one(session: aiohttp.ClientSession, cfg: LoadConfig, spec: Reques
     return rec
 
 
-async def served_model(session: aiohttp.ClientSession, target: str) -> str:
+async def served_model(session: aiohttp.ClientSession, target: str, headers: dict[str, str] | None = None) -> str:
     """The first model id ``target`` lists at ``/v1/models``."""
     try:
-        async with session.get(target.rstrip("/") + "/v1/models") as resp:
+        async with session.get(target.rstrip("/") + "/v1/models", headers=headers) as resp:
+            if resp.status >= 400:
+                raise LoadError(f"{target}/v1/models answered {resp.status}"
+                                + (" (give the API key with --api-key or OPENAI_API_KEY)" if resp.status == 401 else ""))
             data = await resp.json(content_type=None)
         return str(data["data"][0]["id"])
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, KeyError, IndexError, TypeError) as exc:
@@ -152,7 +168,7 @@ async def run_load(workload: Workload, cfg: LoadConfig, text: TextSource | None 
     wall_per_unit = 1.0 / (cfg.speedup * cfg.time_scale)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         if cfg.model is None:
-            cfg.model = await served_model(session, cfg.target)
+            cfg.model = await served_model(session, cfg.target, cfg.headers)
         start = time.perf_counter()
 
         async def one(i: int) -> None:

@@ -22,14 +22,21 @@ DEFAULT_AFFINITIES = (0.0, 0.2, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 def sweep(settings: SimSettings, affinities: Sequence[float] = DEFAULT_AFFINITIES,
           out: str | Path | None = None) -> list[dict]:
-    """Simulate ``cache_aware`` at each affinity; rows of (affinity, summary, meta)."""
+    """Simulate ``cache_aware`` at each affinity; rows of (affinity, summary, meta). With
+    ``settings.progress`` one bar on stderr counts the requests of every affinity's run."""
+    from tqdm import tqdm
+
     workload = build_workload(settings)
     rows = []
+    bar = tqdm(total=len(workload) * len(affinities), disable=not settings.progress, unit="req")
     for a in affinities:
-        result = simulate(workload, fleet_config(replace(settings, policy="cache_aware"), affinity=a))
+        bar.set_description(f"affinity {a:g}")
+        result = simulate(workload, fleet_config(replace(settings, policy="cache_aware"), affinity=a),
+                          progress=bar.update)
         summary = summarize(result.records, fleet=list(result.meta["utilisation"]))
         rows.append({"affinity": a, "summary": summary, "wall_s": result.meta["wall_s"],
                      "reasons": result.meta["reasons"]})
+    bar.close()
     if out is not None:
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)

@@ -8,12 +8,12 @@ valid, 1 when the server cannot start (e.g. the port is taken), else the server'
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Coroutine
 
 from prefixlb.aio import run as run_loop
+from prefixlb.log_format import configure_logging
 from protocol.settings import SettingsError, build_parser, load_settings
 
 Serve = Callable[[Any], Coroutine[Any, Any, int]]
@@ -36,10 +36,12 @@ class ServerCommand:
     epilog: str
     load: Callable[[], tuple[Serve, tuple[type[BaseException], ...]]]
     check: Callable[[Any], None] | None = None
+    help_groups: dict[str, tuple[str, ...]] | None = None  # --help by topic (protocol/settings.py)
 
     def main(self, argv: list[str]) -> int:
         """Parse settings, run the server until SIGTERM, return its exit status."""
-        parser = build_parser(self.schema, env_prefix=self.env_prefix, prog=f"prefixlb {self.name}",
+        parser = build_parser(self.schema, env_prefix=self.env_prefix, groups=self.help_groups,
+                              prog=f"prefixlb {self.name}",
                               description=self.description, epilog=self.epilog,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
         args = parser.parse_args(argv)
@@ -50,8 +52,7 @@ class ServerCommand:
         except SettingsError as exc:
             print(f"prefixlb {self.name}: {exc}", file=sys.stderr)
             return 2
-        logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
-                            format="%(asctime)s %(levelname)s %(name)s %(message)s")
+        configure_logging(cfg.log_level, cfg.log_format)
         serve, invalid = self.load()
         try:
             return run_loop(serve(cfg))

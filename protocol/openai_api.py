@@ -47,7 +47,7 @@ _COMMON_FIELDS = frozenset({
     "frequency_penalty", "presence_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias"})
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "tools", "tool_choice", "response_format", "max_completion_tokens",
-                                "top_logprobs"}
+                                "top_logprobs", "chat_template_kwargs"}
 
 
 # --------------------------------------------------------------------------- field readers
@@ -274,6 +274,17 @@ class ChatCompletionRequest:
     body: dict[str, Any] = field(default_factory=dict)
     chat = True
 
+    @property
+    def tool_choice(self) -> str:
+        """``none`` or ``auto``: as vLLM, ``auto`` when tools are given without a choice."""
+        choice = self.body.get("tool_choice")
+        return choice if isinstance(choice, str) else ("auto" if self.tools else "none")
+
+    @property
+    def chat_template_kwargs(self) -> dict[str, Any] | None:
+        """Extra variables for the chat template (vLLM's ``chat_template_kwargs``)."""
+        return self.body.get("chat_template_kwargs")
+
 
 def _prompt(body: dict, limits: RequestLimits) -> str | list[int]:
     if "prompt" not in body or body["prompt"] is None:
@@ -404,6 +415,17 @@ def _response_format(body: dict) -> None:
                           "response_format", "unsupported")
 
 
+def _chat_template_kwargs(body: dict, limits: RequestLimits) -> None:
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, dict):
+        raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    if len(json.dumps(kwargs)) > limits.max_prompt_chars:
+        raise bad_request(f"'chat_template_kwargs' hold more than {limits.max_prompt_chars} characters",
+                          "chat_template_kwargs")
+
+
 def parse_chat_request(body: dict[str, Any], limits: RequestLimits = DEFAULT_LIMITS) -> ChatCompletionRequest:
     """Validate a chat-completions body (already decoded by :func:`parse_json_body`).
 
@@ -414,6 +436,7 @@ def parse_chat_request(body: dict[str, Any], limits: RequestLimits = DEFAULT_LIM
     messages = _messages(body, limits)
     tools = _tools(body, limits)
     _response_format(body)
+    _chat_template_kwargs(body, limits)
     max_tokens = _int(body, "max_completion_tokens", None, 1, limits.max_tokens)
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", None, 1, limits.max_tokens)

@@ -54,12 +54,41 @@ def _sentinel_parts(url: str) -> tuple[list[tuple[str, int]], str, int, dict[str
 
 
 def check_redis_url(url: str) -> None:
-    """Raise :class:`RedisURLError` unless ``url`` is a Redis URL this module can open."""
-    scheme = urlsplit(url).scheme
+    """Raise :class:`RedisURLError`, with a message naming the problem, unless ``url`` is a Redis
+    URL this module can open: a known scheme, a host (or a socket path), a numeric port in range,
+    a numeric database, options redis-py accepts."""
+    from redis.connection import parse_url
+
+    from protocol.settings import redact_url
+
+    parts = urlsplit(url.strip())
+    scheme = parts.scheme
     if scheme == SENTINEL_SCHEME:
         _sentinel_parts(url)
-    elif scheme not in ("redis", "rediss", "unix"):
-        raise RedisURLError(f"unsupported Redis URL scheme {scheme!r} (redis, rediss, unix, redis+sentinel)")
+        return
+    if scheme not in ("redis", "rediss", "unix"):
+        raise RedisURLError(f"unsupported Redis URL scheme {scheme!r} in {redact_url(url)!r} "
+                            "(redis://HOST:PORT/DB, rediss://, unix:///PATH, redis+sentinel://)")
+    shown = redact_url(url)
+    try:
+        port = parts.port
+    except ValueError:
+        raise RedisURLError(f"{shown!r}: the port is not a number from 1 to 65535") from None
+    if scheme == "unix":
+        if not parts.path:
+            raise RedisURLError(f"{shown!r}: a unix:// URL needs the socket's path (unix:///run/redis.sock)")
+    else:
+        if not parts.hostname:
+            raise RedisURLError(f"{shown!r}: no host (redis://HOST:PORT/DB)")
+        if port == 0:
+            raise RedisURLError(f"{shown!r}: the port is not a number from 1 to 65535")
+        db = parts.path.strip("/")
+        if db and not db.isdigit():
+            raise RedisURLError(f"{shown!r}: the database after the host is a number, not {db!r}")
+    try:
+        parse_url(url)
+    except ValueError as exc:
+        raise RedisURLError(f"{shown!r}: {exc}") from None
 
 
 def redis_client(url: str, **options: Any) -> aioredis.Redis:

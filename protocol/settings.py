@@ -48,9 +48,12 @@ def setting(
     maximum: float | None = None,
     env: str | None = None,
     secret: bool = False,
+    size: bool = False,
 ) -> Any:
     """A dataclass field with the metadata :func:`build_parser` and :func:`load_settings` use.
 
+    A ``size`` (an int of bytes) is also accepted as text with a unit: ``16MiB``, ``2GB``
+    (:func:`parse_size`), from flags, environment and YAML alike.
     ``default`` may be a zero-argument callable (``list``, ``dict``) for mutable defaults.
     ``choices`` may be a zero-argument callable, asked each time a value is checked or a parser
     is built: the names of a registry that grows at run time (the routing policies).
@@ -64,6 +67,7 @@ def setting(
         "maximum": maximum,
         "env": env,
         "secret": secret,
+        "size": size,
     }
     if default is list or default is dict or default is set:
         return dataclasses.field(default_factory=default, metadata=meta)
@@ -91,8 +95,29 @@ def _flag(f: dataclasses.Field) -> str:
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 
 
-def _convert(value: Any, tp: Any, name: str) -> Any:
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "ki": 1024,
+          "m": 1000**2, "mb": 1000**2, "mib": 1024**2, "mi": 1024**2,
+          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "gi": 1024**3,
+          "t": 1000**4, "tb": 1000**4, "tib": 1024**4, "ti": 1024**4}
+
+
+def parse_size(text: str) -> int:
+    """Bytes in a size like ``512MiB``, ``2G``, ``1.5GiB`` or ``1048576`` (SettingsError if not one)."""
+    m = _SIZE.match(text or "")
+    unit = (m.group(2) or "").lower() if m else None
+    if not m or unit not in _UNITS:
+        raise SettingsError(f"invalid size {text!r}; use e.g. 512MiB, 2GiB or a byte count")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def _convert(value: Any, tp: Any, name: str, size: bool = False) -> Any:
     base, optional = _base_type(tp)
+    if size and base is int and isinstance(value, str) and value.strip().lower() not in ("", "none", "null"):
+        try:
+            return parse_size(value)
+        except SettingsError as exc:
+            raise SettingsError(f"{name}: {exc}") from None
     if value is None:
         if optional:
             return None
@@ -157,11 +182,14 @@ def build_parser(
     cls: type,
     parser: argparse.ArgumentParser | None = None,
     env_prefix: str = "PREFIXLB_",
+    groups: Mapping[str, Sequence[str]] | None = None,
     **parser_kwargs: Any,
 ) -> argparse.ArgumentParser:
     """Add one flag per field of ``cls`` (plus ``--config FILE``) to ``parser``.
 
     Flags default to "not given" so that :func:`load_settings` can layer YAML and env beneath.
+    ``groups`` (title -> field names) sorts the flags of ``--help`` by topic; a field in no group
+    is listed under "other options". A name that is no field is a ValueError.
     """
     if parser is None:
         parser = argparse.ArgumentParser(**parser_kwargs)
@@ -169,7 +197,18 @@ def build_parser(
         "--config", default=argparse.SUPPRESS, metavar="FILE",
         help=f"YAML file with settings (keys = option names; env {env_prefix}CONFIG)",
     )
+    group_of: dict[str, Any] = {}
+    if groups:
+        names = {f.name for f, _ in _fields(cls)}
+        for title, members in groups.items():
+            unknown = [m for m in members if m not in names]
+            if unknown:
+                raise ValueError(f"help group {title!r} names no setting of {cls.__name__}: {unknown}")
+            group = parser.add_argument_group(title)
+            group_of.update({m: group for m in members})
+        other = parser.add_argument_group("other options")
     for f, tp in _fields(cls):
+        target = group_of.get(f.name, other) if groups else parser
         base, _ = _base_type(tp)
         default = f.default if f.default is not _MISSING else (
             f.default_factory() if f.default_factory is not _MISSING else None)  # type: ignore[misc]
@@ -181,13 +220,15 @@ def build_parser(
         elif base is list:
             kwargs["action"] = "append"
             kwargs["metavar"] = f.name.rstrip("s").upper()
+        elif f.metadata.get("size"):
+            kwargs["metavar"] = "SIZE"
         else:
             kwargs["metavar"] = f.name.upper()
             choices = _choices(f)
             if choices:
                 kwargs["choices"] = choices
                 kwargs.pop("metavar")
-        parser.add_argument(_flag(f), **kwargs)
+        target.add_argument(_flag(f), **kwargs)
     return parser
 
 
@@ -220,13 +261,14 @@ def load_settings(
         name = str(key).replace("-", "_")
         if name not in fields:
             raise SettingsError(f"unknown setting {key!r} in config file")
-        layered[name] = _convert(value, fields[name][1], name)
+        layered[name] = _convert(value, fields[name][1], name, fields[name][0].metadata.get("size", False))
     for name, (f, tp) in fields.items():
         env = f.metadata.get("env") or env_prefix + name.upper()
+        size = f.metadata.get("size", False)
         if env in environ:
-            layered[name] = _convert(environ[env], tp, name)
+            layered[name] = _convert(environ[env], tp, name, size)
         if name in given:
-            layered[name] = _convert(given[name], tp, name)
+            layered[name] = _convert(given[name], tp, name, size)
     for name, value in layered.items():
         _check(fields[name][0], value)
     obj = cls(**layered)
@@ -246,7 +288,7 @@ def parse_setting(cls: type, name: str, value: Any) -> Any:
     if name not in fields:
         raise SettingsError(f"unknown setting {name!r}")
     f, tp = fields[name]
-    converted = _convert(value, tp, name)
+    converted = _convert(value, tp, name, f.metadata.get("size", False))
     _check(f, converted)
     return converted
 

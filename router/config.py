@@ -109,8 +109,8 @@ class RouterConfig:
                                        minimum=0.5)
     startup_sync_timeout: float = setting(10.0, "seconds to wait for Redis state before serving anyway",
                                           minimum=0.0)
-    max_body_bytes: int = setting(16 * 1024 * 1024, "largest request body accepted (413 beyond)",
-                                  minimum=1024)
+    max_body_bytes: int = setting(16 * 1024 * 1024, "largest request body accepted (413 beyond), bytes or "
+                                  "e.g. 16MiB", minimum=1024, size=True)
     connect_timeout: float = setting(5.0, "seconds to connect to a worker", minimum=0.05)
     read_timeout: float = setting(600.0, "seconds a worker may stay silent mid-response", minimum=0.1)
     max_attempts: int = setting(3, "workers tried before the first byte, on connection errors, timeouts "
@@ -122,9 +122,9 @@ class RouterConfig:
     max_inflight: int = setting(4096, "requests the router serves at once (0: no global limit); beyond, "
                                 "they queue", minimum=0)
     max_queue: int = setting(256, "requests that may wait for capacity (global or per-worker limit); "
-                             "beyond, 429", minimum=0)
+                             "beyond, 429 (bytes or e.g. 64MiB)", minimum=0, size=True)
     max_queue_bytes: int = setting(64 * 1024 * 1024, "request-body bytes that may wait in the queue; "
-                                   "beyond, 429", minimum=0)
+                                   "beyond, 429 (bytes or e.g. 64MiB)", minimum=0, size=True)
     queue_timeout: float = setting(5.0, "seconds a request may wait in the queue before a 429", minimum=0.0)
     breaker_cool_down: float = setting(1.0, "seconds a worker's open breaker waits before a good probe may "
                                        "half-open it (doubles on each failed trial)", minimum=0.0)
@@ -147,8 +147,8 @@ class RouterConfig:
                                       "listed)")
     prewarm_top: int = setting(0, "send a joining worker the K hottest prefixes (max_tokens=1) before it "
                                "takes traffic (0: off)", minimum=0, maximum=1024)
-    prewarm_max_bytes: int = setting(1024 * 1024, "largest request body kept as a pre-warm sample",
-                                     minimum=0)
+    prewarm_max_bytes: int = setting(1024 * 1024, "largest request body kept as a pre-warm sample "
+                                     "(bytes or e.g. 1MiB)", minimum=0, size=True)
     prewarm_timeout: float = setting(30.0, "seconds pre-warming a worker may take before it gets "
                                      "traffic anyway", minimum=0.1)
     virtual_models: str | None = setting(None, "YAML file of virtual models (route, cascade) the router serves "
@@ -156,6 +156,8 @@ class RouterConfig:
     price_book: str | None = setting(None, "YAML price book: every answer is priced (cost headers, /admin/usage, "
                                      "prefixlb_router_cost_usd_total); none: tokens are counted, not priced")
     log_level: str = setting("info", "log level", choices=("debug", "info", "warning", "error"))
+    log_format: str = setting("text", "log lines as text (key=value) or json (one object per line, each key a "
+                              "field)", choices=("text", "json"))
 
     def policy_config(self) -> PolicyConfig:
         """The policy knobs as the pure policy sees them."""
@@ -219,6 +221,29 @@ def load_virtual_model_files(cfg: RouterConfig) -> tuple[dict, "PriceBook | None
     except VirtualModelError as exc:
         raise SettingsError(f"--virtual-models {cfg.virtual_models}: {exc}") from None
     return virtual, book
+
+
+# `prefixlb router --help`, by topic (a setting in no group is listed under "other options").
+HELP_GROUPS: dict[str, tuple[str, ...]] = {
+    "listening, access and logs": ("host", "port", "admin_token", "admin_port", "api_keys", "shutdown_grace",
+                                   "log_level", "log_format"),
+    "workers and discovery": ("workers", "worker_allow", "worker_api_key", "k8s_selector", "k8s_namespace",
+                              "k8s_port", "tokenizers", "registry_interval", "registry_grace"),
+    "Redis": ("redis", "redis_prefix", "redis_signing_secret", "snapshot_interval", "startup_sync_timeout"),
+    "routing policy": ("policy", "affinity", "session_headers", "session_fields", "chunk_size", "ring_key_chunks",
+                       "tie_tolerance", "attention_knee_tokens", "hash_load_factor", "ring_candidates",
+                       "load_candidates", "match_candidates", "vnodes", "tokens_per_byte", "prefill_tokens_per_s",
+                       "decode_step_s", "max_num_seqs", "feedback_clear_after", "adapter_routing", "adapter_spare"),
+    "virtual models and cost": ("virtual_models", "price_book"),
+    "prefix index": ("index_max_entries", "index_optimistic_ttl", "index_confirmed_ttl"),
+    "limits and admission": ("max_body_bytes", "body_timeout", "max_inflight", "max_inflight_per_worker",
+                             "max_queue", "max_queue_bytes", "queue_timeout"),
+    "proxy, retries and health checks": ("connect_timeout", "read_timeout", "max_attempts", "retry_deadline",
+                                         "health_interval", "health_jitter", "health_timeout", "unhealthy_after",
+                                         "breaker_cool_down", "breaker_max_cool_down", "half_open_successes",
+                                         "half_open_max_inflight"),
+    "pre-warming": ("prewarm_top", "prewarm_max_bytes", "prewarm_timeout"),
+}
 
 
 def load_router_config(argv: Sequence[str] | None = None,

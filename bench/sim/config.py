@@ -63,6 +63,7 @@ class SimSettings:
                                  "traffic needs", minimum=0, maximum=1024)
     out: str = setting("runs/sim", "output directory")
     label: str | None = setting(None, "name of this run in reports (default: the directory name)")
+    progress: bool = setting(True, "show a progress bar (requests simulated) on stderr")
 
 
 def build_workload(s: SimSettings) -> Workload:

@@ -120,20 +120,34 @@ def build_tier(cfg: FleetConfig, latency: LatencyModel, gpu_blocks: int) -> KVTi
                   load_bytes_per_s=latency.gpu.host_to_device_bandwidth)
 
 
-def simulate(workload: Workload, cfg: FleetConfig) -> SimResult:
-    """Run ``workload`` through the fleet; deterministic for a given workload and config."""
+PROGRESS_EVERY = 1024  # requests between two calls of simulate's ``progress``
+
+
+def simulate(workload: Workload, cfg: FleetConfig, progress: Callable[[int], None] | None = None) -> SimResult:
+    """Run ``workload`` through the fleet; deterministic for a given workload and config.
+
+    ``progress(n)`` is called with the number of requests newly routed, every
+    :data:`PROGRESS_EVERY` requests and at the end (a progress bar's ``update``)."""
     # A run allocates millions of long-lived objects and frees almost no reference cycles: the
     # cyclic collector's passes over them cost ~15% of a run and find nothing.
     collecting = gc.isenabled()
     gc.disable()
     try:
-        return _simulate(workload, cfg)
+        return _simulate(workload, cfg, progress)
     finally:
         if collecting:
             gc.enable()
 
 
-def _simulate(workload: Workload, cfg: FleetConfig) -> SimResult:
+def simulate_with_bar(workload: Workload, cfg: FleetConfig, show: bool = True) -> SimResult:
+    """:func:`simulate` with a progress bar of the requests routed on stderr (none unless ``show``)."""
+    from tqdm import tqdm
+
+    with tqdm(total=len(workload), disable=not show, unit="req", desc="simulated") as bar:
+        return simulate(workload, cfg, progress=bar.update)
+
+
+def _simulate(workload: Workload, cfg: FleetConfig, progress: Callable[[int], None] | None) -> SimResult:
     started = time.perf_counter()
     latency = build_latency(cfg)
     adapters = cfg.max_loras > 0 and any(spec.adapter for spec in workload.requests)
@@ -249,7 +263,11 @@ def _simulate(workload: Workload, cfg: FleetConfig) -> SimResult:
 
     hasher = UnitHasher(cfg.unit)  # = bench.workloads.unit_hashes, memoised
     speedup, bos, fits, route = cfg.speedup, cfg.bos_tokens, workers[0].fits, router.route
-    for spec in workload.requests:
+    reported = 0
+    for i, spec in enumerate(workload.requests):
+        if progress is not None and i - reported >= PROGRESS_EVERY:
+            progress(i - reported)
+            reported = i
         now = spec.arrival_s / speedup
         run_until(now)
         req = SimRequest(spec.index, now, hasher(spec.segments), spec.prompt_tokens + bos, spec.max_tokens,
@@ -279,6 +297,8 @@ def _simulate(workload: Workload, cfg: FleetConfig) -> SimResult:
             seq += 1
             heappush(heap, (nxt, seq, wi, w.version))
     run_until(float("inf"))
+    if progress is not None:
+        progress(len(requests) - reported)
 
     end = max((r.finished_at or r.arrival for r in requests), default=0.0)
     for r in requests:

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from protocol.settings import SettingsError, build_parser, load_settings, setting
+from protocol.settings import SettingsError, build_parser, describe, load_settings, setting
 
 log = logging.getLogger("prefixlb.bench")
 
@@ -46,6 +46,10 @@ class BenchConfig:
     session_header: str = setting("x-session-id", "header that carries a request's session")
     request_timeout: float = setting(600.0, "per-request timeout in seconds (wall clock)", minimum=0.1)
     progress: bool = setting(True, "show a progress bar")
+    api_key: str | None = setting(None, "API key sent as 'Authorization: Bearer <key>' (default: env "
+                                  "OPENAI_API_KEY)", secret=True)
+    endpoint: str = setting("completions", "API driven: completions, or chat (the prompt as one user message)",
+                            choices=("completions", "chat"))
 
 
 def run_bench(cfg: BenchConfig) -> dict:
@@ -58,13 +62,15 @@ def run_bench(cfg: BenchConfig) -> dict:
     workload = load_workload(cfg.workload, cfg.seed, cfg.num_requests, cfg.workload_opt)
     if cfg.rate is not None:
         workload = retime_poisson(workload, cfg.rate, cfg.seed)
+    key = cfg.api_key or os.environ.get("OPENAI_API_KEY")
     load = LoadConfig(target=cfg.target, model=cfg.model, time_scale=cfg.time_scale, speedup=cfg.speedup,
                       concurrency=cfg.concurrency, duration_s=cfg.duration,
                       request_timeout_s=cfg.request_timeout, session_header=cfg.session_header,
-                      progress=cfg.progress, seed=cfg.seed)
+                      headers={"Authorization": f"Bearer {key}"} if key else {},
+                      progress=cfg.progress, seed=cfg.seed, chat=cfg.endpoint == "chat")
     started = time.time()
     records = asyncio.run(run_load(workload, load, TextSource(cfg.seed)))
-    meta = {"label": cfg.label or Path(cfg.out).name, "kind": "http", "config": dataclasses.asdict(cfg),
+    meta = {"label": cfg.label or Path(cfg.out).name, "kind": "http", "config": describe(cfg),  # key masked
             "workload": workload.name, "workload_params": workload.params,
             "wall_s": round(time.time() - started, 3)}
     return write_run(cfg.out, records, meta, cfg.fleet)

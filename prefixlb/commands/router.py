@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from prefixlb.server_command import ServerCommand
-from router.config import ENV_PREFIX, RouterConfig, check_router_config
+from router.config import ENV_PREFIX, HELP_GROUPS, RouterConfig, check_router_config
 
 EXAMPLES = """examples:
   prefixlb router --port 8000 --worker http://127.0.0.1:8001 --worker http://127.0.0.1:8002
@@ -25,7 +25,7 @@ def _load():
 
 
 COMMAND = ServerCommand(name="router", schema=RouterConfig, env_prefix=ENV_PREFIX, description=__doc__,
-                        epilog=EXAMPLES, load=_load, check=check_router_config)
+                        epilog=EXAMPLES, load=_load, check=check_router_config, help_groups=HELP_GROUPS)
 
 
 def main(argv: list[str]) -> int:

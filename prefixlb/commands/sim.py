@@ -19,7 +19,7 @@ def main(argv: list[str]) -> int:
     """Entry point of ``prefixlb sim``."""
     from bench.report import write_run
     from bench.sim.config import ENV_PREFIX, SimSettings, build_workload, fleet_config
-    from bench.sim.fleet import simulate
+    from bench.sim.fleet import simulate_with_bar
     from bench.workloads import WorkloadError
 
     parser = build_parser(SimSettings, env_prefix=ENV_PREFIX, prog="prefixlb sim", description=__doc__,
@@ -27,7 +27,7 @@ def main(argv: list[str]) -> int:
     try:
         s = load_settings(SimSettings, parser.parse_args(argv), env_prefix=ENV_PREFIX)
         workload = build_workload(s)
-        result = simulate(workload, fleet_config(s))
+        result = simulate_with_bar(workload, fleet_config(s), show=s.progress)
     except (SettingsError, WorkloadError, ValueError) as exc:
         print(f"prefixlb sim: {exc}", file=sys.stderr)
         return 2

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from prefixlb.server_command import ServerCommand
-from worker.server.config import ENV_PREFIX, ServerConfig, check_server_config
+from worker.server.config import ENV_PREFIX, HELP_GROUPS, ServerConfig, check_server_config
 
 EXAMPLES = """examples:
   prefixlb worker --model tiny --port 8001
@@ -22,7 +22,7 @@ def _load():
 
 
 COMMAND = ServerCommand(name="worker", schema=ServerConfig, env_prefix=ENV_PREFIX, description=__doc__,
-                        epilog=EXAMPLES, load=_load, check=check_server_config)
+                        epilog=EXAMPLES, load=_load, check=check_server_config, help_groups=HELP_GROUPS)
 
 
 def main(argv: list[str]) -> int:

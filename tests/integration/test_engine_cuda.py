@@ -27,6 +27,8 @@ def reference(tiny_checkpoint):
 
 def cuda_engine(tiny_checkpoint, **kw) -> LLMEngine:
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 parity, not TF32
+    # A fixed pool: sized from the GPU's memory, the tiny model would get millions of blocks.
+    kw.setdefault("num_kv_blocks", 4096)
     return LLMEngine(EngineConfig(model=str(tiny_checkpoint), device="cuda", attention_backend="triton", **kw))
 
 
@@ -56,7 +58,7 @@ def test_cuda_triton_engine_matches_transformers_under_preemption(tiny_checkpoin
 
 
 def test_cuda_engine_serves_bfloat16(tiny_checkpoint):
-    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint), device="cuda", dtype="bfloat16"))
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint), device="cuda", dtype="bfloat16", num_kv_blocks=4096))
     prompt = engine.tokenizer.encode(TEXT)
     outs = engine.generate([prompt, prompt[:50]], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     assert [len(o.token_ids) for o in outs] == [16, 16]

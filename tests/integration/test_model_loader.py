@@ -18,6 +18,7 @@ from tests.support import ROOT
 from worker.engine.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.errors import ModelLoadError
+from worker.engine.model.byte_tokenizer_files import save_byte_tokenizer
 from worker.engine.model.loader import load_model
 from worker.engine.sampling_params import SamplingParams
 
@@ -43,6 +44,7 @@ def _save_random(directory, arch: str, **extra) -> None:
             else:
                 p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5)
     model.save_pretrained(directory, safe_serialization=True)
+    save_byte_tokenizer(directory)  # a checkpoint is served only with its own tokenizer
 
 
 def _check(directory, arch: str) -> None:
@@ -108,3 +110,45 @@ def test_unsupported_architectures_and_missing_directories_are_refused(tmp_path)
         load_model(str(tmp_path))
     with pytest.raises(ModelLoadError, match="neither a preset"):
         load_model(str(tmp_path / "nope"))
+
+
+def test_dtype_auto_runs_a_bfloat16_checkpoint_in_float32_on_a_cpu_and_bfloat16_halves_the_kv_bytes(tmp_path):
+    _save_random(tmp_path, "LlamaForCausalLM")
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["torch_dtype"] = "bfloat16"
+    config.pop("dtype", None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    kv = 64 * 1024  # 2 (K, V) x 2 layers x 8 tokens x 2 KV heads x 16 dims x 4 bytes = 4 KiB a float32 block
+    auto = LLMEngine(EngineConfig(model=str(tmp_path), block_size=8, kv_memory_bytes=kv))
+    half = LLMEngine(EngineConfig(model=str(tmp_path), block_size=8, kv_memory_bytes=kv, dtype="bfloat16"))
+    assert auto.runner.dtype is torch.float32
+    assert half.runner.dtype is torch.bfloat16
+    assert half.runner.kv_caches[0][0].dtype is torch.bfloat16
+    assert next(half.runner.model.parameters()).dtype is torch.bfloat16
+    assert (auto.num_kv_blocks, half.num_kv_blocks) == (16, 32)
+    prompt = half.tokenizer.encode("bfloat16 on a CPU still generates")
+    out = half.generate([prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4
+
+
+def test_the_worker_reports_the_dtype_it_runs_in():
+    from worker.server.app import build_engine
+    from worker.server.config import load_server_config
+
+    assert build_engine(load_server_config(["--dtype", "float16"], environ={})).info["dtype"] == "float16"
+    assert build_engine(load_server_config([], environ={})).info["dtype"] == "float32"
+
+
+def test_generation_config_eos_ids_end_generation_too(tmp_path):
+    from worker.engine.model.loader import load_model_config
+    from worker.engine.model.presets import build_preset
+    from worker.engine.model.save import save_pretrained
+
+    save_pretrained(build_preset("tiny"), tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [257, 10]}))
+    assert load_model_config(str(tmp_path)).eos_token_ids == [257, 10]
+    engine = LLMEngine(EngineConfig(model=str(tmp_path), num_kv_blocks=32))
+    assert engine.eos_token_ids == [10, 257]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": "</s>"}))
+    with pytest.raises(ModelLoadError, match="eos_token_id must be an integer or a list of integers"):
+        load_model_config(str(tmp_path))

@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from worker.engine.chat_template import with_tool_call_objects
 from worker.engine.model.byte_tokenizer_files import BOS_TOKEN, EOS_TOKEN, save_byte_tokenizer
 from worker.engine.tokenizer import BYTE_BOS_ID, BYTE_EOS_ID, ByteTokenizer, HFTokenizer, byte_level_alphabet
 
@@ -77,8 +78,9 @@ def test_transformers_renders_the_saved_chat_template_as_bos_then_the_default_fo
     from transformers import AutoTokenizer
 
     reference = AutoTokenizer.from_pretrained(saved)
-    text = reference.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    conversation = with_tool_call_objects(messages)  # as vLLM hands it over: tool-call arguments as objects
+    text = reference.apply_chat_template(conversation, tools=tools, tokenize=False, add_generation_prompt=True)
     assert text == BOS_TOKEN + ByteTokenizer().apply_chat_template(messages, tools)
-    ids = reference.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=True,
+    ids = reference.apply_chat_template(conversation, tools=tools, tokenize=True, add_generation_prompt=True,
                                         return_dict=False)
     assert ids == ByteTokenizer().encode(ByteTokenizer().apply_chat_template(messages, tools))

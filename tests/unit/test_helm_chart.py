@@ -192,14 +192,14 @@ def test_every_router_knob_in_values_reaches_the_routers_settings():
         "limits": {"maxInflightPerWorker": 48, "maxBodyBytes": 1048576, "maxAttempts": 3,
                    "connectTimeoutSeconds": 1.5, "readTimeoutSeconds": 120},
         "health": {"intervalSeconds": 1, "timeoutSeconds": 0.5, "unhealthyAfter": 4},
-        "logLevel": "debug", "extraArgs": ["--tie-tolerance=0.1"]}}
+        "logLevel": "debug", "logFormat": "json", "extraArgs": ["--tie-tolerance=0.1"]}}
     cfg = load_router_config(_router_args(render_chart(values)))
     assert (cfg.session_headers, cfg.session_fields, cfg.chunk_size) == (["x-conversation"], ["user"], 256)
     assert (cfg.index_max_entries, cfg.index_optimistic_ttl, cfg.index_confirmed_ttl) == (50000, 12.5, 900.0)
     assert (cfg.max_inflight_per_worker, cfg.max_body_bytes, cfg.max_attempts) == (48, 1048576, 3)
     assert (cfg.connect_timeout, cfg.read_timeout) == (1.5, 120.0)
     assert (cfg.health_interval, cfg.health_timeout, cfg.unhealthy_after) == (1.0, 0.5, 4)
-    assert (cfg.log_level, cfg.tie_tolerance) == ("debug", 0.1)
+    assert (cfg.log_level, cfg.log_format, cfg.tie_tolerance) == ("debug", "json", 0.1)
 
 
 def test_failure_handling_knobs_in_values_reach_the_routers_settings():
@@ -240,12 +240,19 @@ def test_every_worker_knob_in_values_reaches_the_workers_settings():
         "model": "small", "servedModelName": "assistant", "kvBlocks": 4096, "blockSize": 32,
         "maxNumSeqs": 16, "maxNumBatchedTokens": 4096, "maxModelLen": 8192,
         "attentionBackend": "triton", "logLevel": "warning", "drainTimeoutSeconds": 90,
-        "extraArgs": ["--seed=7"]}}
+        "dtype": "bfloat16", "gpuMemoryUtilization": 0.85, "logFormat": "json", "extraArgs": ["--seed=7"]}}
     cfg = load_server_config(_worker_args(render_chart(values)))
     assert (cfg.model, cfg.served_model_name, cfg.kv_blocks, cfg.block_size) == ("small", "assistant", 4096, 32)
     assert (cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len) == (16, 4096, 8192)
     assert (cfg.attention_backend, cfg.chunk_size, cfg.log_level) == ("triton", 256, "warning")
     assert (cfg.drain_timeout, cfg.seed) == (90.0, 7)
+    assert (cfg.dtype, cfg.gpu_memory_utilization, cfg.log_format) == ("bfloat16", 0.85, "json")
+
+
+def test_by_default_a_gpu_worker_sizes_its_kv_cache_from_the_gpus_memory_in_the_checkpoints_dtype():
+    cfg = load_server_config(_worker_args(render_chart({})))
+    assert (cfg.kv_memory, cfg.kv_blocks, cfg.device) == (None, None, "cuda")
+    assert (cfg.dtype, cfg.gpu_memory_utilization) == ("auto", 0.9)
 
 
 def test_kubernetes_discovery_watches_this_releases_worker_pods():
@@ -549,6 +556,8 @@ def test_network_policy_admits_only_routers_to_workers(rendered):
     ({"worker": {"apiKey": {"enabled": True, "value": "two words"}}}, "/worker/apiKey/value"),
     ({"worker": {"enabled": False, "apiKey": {"enabled": True}}}, "worker.apiKey: with worker.enabled=false"),
     ({"router": {"adminPort": 8000}}, "router.adminPort must differ from router.port"),
+    ({"worker": {"dtype": "fp16"}}, "/worker/dtype"),
+    ({"worker": {"gpuMemoryUtilization": 1.5}}, "/worker/gpuMemoryUtilization"),
 ])
 def test_invalid_values_fail_the_install_with_a_message_naming_the_value(values, message):
     with pytest.raises(helm.HelmError) as exc:

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from worker.engine.chat_template import ChatTemplate
-from worker.engine.errors import InvalidRequestError
+from worker.engine.errors import InvalidRequestError, ModelLoadError
 from worker.engine.tokenizer import BYTE_BOS_ID, BYTE_EOS_ID, ByteTokenizer, HFTokenizer, load_tokenizer
 
 TEXT = "Grüße, 世界! 👋🏽 ok"
@@ -108,6 +108,31 @@ def test_the_checkpoint_chat_template_is_used_without_a_doubled_bos(hf_dir):
     assert text == "<user>hi"
 
 
-def test_a_directory_without_tokenizer_json_gets_the_byte_tokenizer(tmp_path):
-    assert isinstance(load_tokenizer(tmp_path), ByteTokenizer)
+def test_a_checkpoint_without_tokenizer_json_is_refused_and_only_the_built_in_models_get_the_byte_tokenizer(
+        tmp_path):
+    with pytest.raises(ModelLoadError, match="has no tokenizer.json: give the checkpoint's tokenizer with --tokenizer"):
+        load_tokenizer(tmp_path)
     assert isinstance(load_tokenizer(None), ByteTokenizer)
+
+
+def test_incremental_hf_detokenizing_holds_back_a_split_character_and_flushes_a_truncated_one(tmp_path):
+    from worker.engine.model.byte_tokenizer_files import save_byte_tokenizer
+
+    save_byte_tokenizer(tmp_path)
+    tok = load_tokenizer(tmp_path)
+    pieces, text = stream(tok, tok.encode("é👋", add_bos=False))
+    assert pieces == ["", "é", "", "", "", "👋"] and text == "é👋"
+    pieces, text = stream(tok, [BYTE_BOS_ID, 0xF0, 0x9F])  # special tokens skipped, a truncated character
+    assert pieces == ["", "", ""] and text == "\ufffd"
+
+
+def test_tool_call_arguments_reach_the_template_as_objects_as_vllm_hands_them():
+    from worker.engine.chat_template import with_tool_call_objects
+
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    messages = [{"role": "assistant", "content": None, "tool_calls": [call, {**call, "function": {
+        "name": "g", "arguments": "not json"}}]}]
+    assert [c["function"]["arguments"] for c in with_tool_call_objects(messages)[0]["tool_calls"]] == [{"x": 1}, {}]
+    assert call["function"]["arguments"] == '{"x": 1}'  # the request's own messages are left alone
+    tpl = ChatTemplate("{% for m in messages %}{{ m.tool_calls[0].function.arguments | tojson }}{% endfor %}")
+    assert tpl.render(messages) == '{"x": 1}'

@@ -20,8 +20,12 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 class EngineConfig:
     """Settings of one engine. Defaults run the ``tiny`` preset on CPU.
 
-    ``num_kv_blocks`` wins over ``kv_memory_bytes``; with neither, the pool holds
-    ``max_num_seqs`` full-length sequences capped at ``DEFAULT_KV_BLOCKS``.
+    ``num_kv_blocks`` wins over ``kv_memory_bytes``; with neither, the pool takes what
+    ``gpu_memory_utilization`` of a CUDA device leaves after the weights, or on a CPU 512 MiB
+    capped at ``DEFAULT_KV_BLOCKS`` (worker/engine/kv_sizing.py). ``tokenizer`` is a directory
+    with ``tokenizer.json`` (default: the checkpoint's), ``chat_template`` a Jinja file that
+    replaces the checkpoint's template. ``dtype`` is that of the
+    weights and the KV cache: ``"auto"`` is the checkpoint's ``torch_dtype``, float32 on a CPU.
     ``default_prefill_tokens_per_s`` / ``default_decode_step_s`` are reported until the engine
     has measured its own speed. With ``enable_lora`` the engine serves LoRA adapters
     (docs/lora.md): ``max_loras`` GPU slots (distinct adapters in one step), ``max_cpu_loras``
@@ -36,6 +40,7 @@ class EngineConfig:
 
     model: str | None = "tiny"
     tokenizer: str | None = None
+    chat_template: str | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_memory_bytes: int | None = None
@@ -46,7 +51,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     attention_backend: str = "auto"
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"
+    gpu_memory_utilization: float = 0.9
     num_threads: int | None = None
     seed: int = 0
     default_prefill_tokens_per_s: float = 2000.0
@@ -71,6 +77,10 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be >= 1")
         if self.attention_backend not in ("auto", "triton", "torch"):
             raise ValueError("attention_backend must be auto, triton or torch")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError("dtype must be auto, float32, float16 or bfloat16")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError("max_loras and max_lora_rank must be >= 1")
         if self.max_cpu_loras is None:

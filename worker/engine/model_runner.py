@@ -17,33 +17,27 @@ their own and the step waits for them; they are timed, which is how the tier mea
 """
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
 import torch
 
 from kernels.backend import get_attention_backend, get_lora_backend
-from worker.engine.config import DEFAULT_KV_BLOCKS, EngineConfig, ModelConfig
+from worker.engine.config import EngineConfig
 from worker.engine.errors import ModelLoadError
+from worker.engine.kv_sizing import (activation_bytes, kv_block_bytes, kv_blocks_for_cpu, kv_blocks_for_gpu,
+                                     kv_blocks_for_memory, lora_slot_bytes)
 from worker.engine.lora.weights import LoRASlotWeights, build_lora_context
 from worker.engine.model.attention_context import AttentionContext
 from worker.engine.model.llama import LlamaForCausalLM
-from worker.engine.model.loader import load_model, torch_dtype
+from worker.engine.model.loader import load_model, load_model_config, resolve_dtype
 from worker.engine.model.presets import PRESETS
 from worker.engine.runner import RunnerOutput, ScheduledBatch, ScheduledSequence
 from worker.engine.sampler import sample
-from worker.engine.tokenizer import Tokenizer, load_tokenizer
+from worker.engine.tokenizer import Tokenizer, load_tokenizer, read_chat_template_file
 
 log = logging.getLogger(__name__)
-
-# Without --kv-blocks / --kv-memory a CPU worker gets at most this much KV memory.
-DEFAULT_KV_MEMORY_BYTES = 512 * 1024 * 1024
-
-
-def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block over all layers (K and V)."""
-    elem = torch.tensor([], dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * elem
 
 
 class TorchModelRunner:
@@ -65,7 +59,7 @@ class TorchModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(mc.num_hidden_layers)]
-        self.kv_block_bytes = kv_block_bytes(mc, self.block_size, self.dtype)
+        self.kv_block_bytes = kv_block_bytes(mc, self.block_size, torch.tensor([], dtype=self.dtype).element_size())
         self.num_cpu_kv_blocks = engine_config.num_cpu_kv_blocks(self.kv_block_bytes)
         pin = self.device.type == "cuda"
         host_shape = (self.num_cpu_kv_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim)
@@ -83,27 +77,44 @@ class TorchModelRunner:
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> "TorchModelRunner":
-        """Load ``config.model`` (preset or directory) and size the KV pool."""
+        """Load ``config.model`` (preset or directory) in its dtype and size the KV pool
+        (worker/engine/kv_sizing.py)."""
         if config.model is None:
             raise ModelLoadError("EngineConfig.model is None and no runner was given")
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        dtype = torch_dtype(config.dtype)
-        model = load_model(config.model, dtype, config.device)
+        model_config = load_model_config(config.model)
+        dtype = resolve_dtype(config.dtype, model_config.torch_dtype, config.device)
+        # The tokenizer first: a checkpoint without one is refused before its weights are read.
         tok_dir = config.tokenizer or (None if config.model in PRESETS else config.model)
-        tokenizer = load_tokenizer(tok_dir)
-        if tokenizer.vocab_size > model.config.vocab_size:
+        template = read_chat_template_file(config.chat_template) if config.chat_template else None
+        tokenizer = load_tokenizer(tok_dir, template)
+        if tokenizer.vocab_size > model_config.vocab_size:
             raise ModelLoadError(f"tokenizer vocabulary ({tokenizer.vocab_size}) exceeds the model's "
-                                 f"({model.config.vocab_size})")
-        per_block = kv_block_bytes(model.config, config.block_size, dtype)
+                                 f"({model_config.vocab_size})")
+        device = torch.device(config.device)
+        on_cuda = device.type == "cuda" and config.num_kv_blocks is None and config.kv_memory_bytes is None
+        if on_cuda:
+            # What an earlier engine of this process left in torch's cache is free for this one.
+            gc.collect()
+            torch.cuda.empty_cache()
+            free_before, total = torch.cuda.mem_get_info(device)
+        model = load_model(config.model, dtype, config.device)
+        elem = torch.tensor([], dtype=dtype).element_size()
+        per_block = kv_block_bytes(model.config, config.block_size, elem)
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
         elif config.kv_memory_bytes is not None:
-            num_blocks = config.kv_memory_bytes // per_block
+            num_blocks = kv_blocks_for_memory(config.kv_memory_bytes, per_block)
+        elif on_cuda:
+            free_after, _ = torch.cuda.mem_get_info(device)
+            reserve = activation_bytes(model.config, config.max_num_batched_tokens, config.max_num_seqs, elem)
+            if config.enable_lora:  # the slots are allocated after the KV cache
+                reserve += lora_slot_bytes(model.config, config.max_loras, config.max_lora_rank, elem)
+            num_blocks = kv_blocks_for_gpu(total, free_before, free_after, config.gpu_memory_utilization,
+                                           per_block, reserve)
         else:
-            num_blocks = min(DEFAULT_KV_BLOCKS, DEFAULT_KV_MEMORY_BYTES // per_block)
-        if num_blocks < 1:
-            raise ModelLoadError(f"KV memory too small for one block ({per_block} bytes)")
+            num_blocks = kv_blocks_for_cpu(per_block)
         return cls(model, config, num_blocks, tokenizer)
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator:

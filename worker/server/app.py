@@ -31,6 +31,7 @@ from protocol.messages import KV_CLEARED
 from protocol.openai_api import RequestLimits
 from worker.server.api import lora_routes, openai_routes, probes
 from worker.server.api.context import CTX, WorkerContext
+from worker.server.api.tool_calls import make_parser
 from worker.server.api.errors import error_middleware
 from worker.engine.async_engine import AsyncLLMEngine
 from worker.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, EngineConfig
@@ -82,13 +83,17 @@ def build_engine(cfg: ServerConfig) -> BuiltEngine:
                                                    "sim_behind_max_seconds": runner.clock.behind_max_s}, answers)
     else:
         config = EngineConfig(
-            model=cfg.model, block_size=cfg.block_size, num_kv_blocks=cfg.kv_blocks,
+            model=cfg.model, tokenizer=cfg.tokenizer, chat_template=cfg.chat_template,
+            block_size=cfg.block_size, num_kv_blocks=cfg.kv_blocks,
             kv_memory_bytes=cfg.kv_memory_bytes, max_num_seqs=cfg.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
             max_num_batched_tokens=cfg.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
             max_model_len=cfg.max_model_len,
-            attention_backend=cfg.attention_backend, device=cfg.device, num_threads=cfg.threads,
-            seed=cfg.seed, **lora, **cfg.cpu_kv_settings())
-        built = BuiltEngine(LLMEngine(config, served_model_names=[cfg.model_name]), {"device": cfg.device})
+            attention_backend=cfg.attention_backend, device=cfg.device, dtype=cfg.dtype,
+            gpu_memory_utilization=cfg.gpu_memory_utilization, num_threads=cfg.threads, seed=cfg.seed, **lora,
+            **cfg.cpu_kv_settings())
+        engine = LLMEngine(config, served_model_names=[cfg.model_name])
+        dtype = str(getattr(engine.runner, "dtype", "")).removeprefix("torch.")
+        built = BuiltEngine(engine, {"device": cfg.device, "dtype": dtype})
     for name, path in cfg.lora_specs:
         adapter = built.engine.add_lora(name, path)
         log.info("event=lora_loaded lora=%s path=%s digest=%s rank=%d targets=%s", name, path,
@@ -139,7 +144,8 @@ def make_context(cfg: ServerConfig, engine: AsyncLLMEngine, built: BuiltEngine) 
                          limits=RequestLimits(max_body_bytes=cfg.max_body_bytes), simulated=cfg.simulate,
                          info_extra=built.info, extra_metrics=built.metrics,
                          body_timeout=cfg.body_timeout, mapper=KVEventMapper(max_blocks=table),
-                         api_keys=tuple(cfg.api_keys), recorded=built.answers, publisher_factory=publisher)
+                         api_keys=tuple(cfg.api_keys), recorded=built.answers, publisher_factory=publisher,
+                         tool_parser=make_parser(cfg.tool_call_parser) if cfg.tool_call_parser else None)
 
 
 async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> int:
@@ -160,8 +166,9 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    log.info("event=worker_ready worker=%s model=%s url=%s simulated=%s kv_blocks=%d redis=%s",
-             ctx.worker_id, ctx.model_name, ctx.url, cfg.simulate, engine.num_kv_blocks, bool(cfg.redis))
+    log.info("event=worker_ready worker=%s model=%s url=%s simulated=%s dtype=%s kv_blocks=%d redis=%s",
+             ctx.worker_id, ctx.model_name, ctx.url, cfg.simulate, built.info.get("dtype", "-"),
+             engine.num_kv_blocks, bool(cfg.redis))
     if ready is not None:
         ready.set()
     await stop.wait()

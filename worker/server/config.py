@@ -6,7 +6,6 @@ Flags are the field names with dashes (``--kv-blocks``), environment variables
 """
 from __future__ import annotations
 
-import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,26 +13,12 @@ from typing import Sequence
 
 from protocol.hashing import DEFAULT_CHUNK_SIZE
 from protocol.keys import DEFAULT_PREFIX
-from protocol.settings import SettingsError, load_settings, setting
+from protocol.settings import SettingsError, load_settings, parse_size, setting
 from worker.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from worker.simulator.profiles import SIM_MAX_NUM_BATCHED_TOKENS, SIM_MAX_NUM_SEQS
 
 ENV_PREFIX = "PREFIXLB_WORKER_"
 PRESETS = ("tiny", "small")
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "ki": 1024,
-          "m": 1000**2, "mb": 1000**2, "mib": 1024**2, "mi": 1024**2,
-          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "gi": 1024**3,
-          "t": 1000**4, "tb": 1000**4, "tib": 1024**4, "ti": 1024**4}
-
-
-def parse_size(text: str) -> int:
-    """Bytes in a size like ``512MiB``, ``2G``, ``1.5GiB`` or ``1048576``."""
-    m = _SIZE.match(text or "")
-    unit = (m.group(2) or "").lower() if m else None
-    if not m or unit not in _UNITS:
-        raise SettingsError(f"invalid size {text!r}; use e.g. 512MiB, 2GiB or a byte count")
-    return int(float(m.group(1)) * _UNITS[unit])
 
 
 @dataclass(slots=True)
@@ -43,6 +28,14 @@ class ServerConfig:
     model: str = setting("tiny", "model: a preset (tiny, small) or a Hugging Face checkpoint directory")
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(8001, "port to listen on", minimum=0, maximum=65535)
+    tokenizer: str | None = setting(None, "directory with the tokenizer.json (and tokenizer_config.json) to use "
+                                    "(default: the checkpoint's; a checkpoint without one is refused)")
+    chat_template: str | None = setting(None, "Jinja chat template FILE replacing the checkpoint's (a checkpoint "
+                                        "without one serves completions only)")
+    tool_call_parser: str | None = setting(
+        None, "turn the model's tool calls into tool_calls (vLLM's parser names): hermes (<tool_call> JSON; "
+        "Hermes, Qwen 2.5) or llama3_json (Llama 3.x); without it, requests with tools the model may call are a "
+        "400", choices=("hermes", "llama3_json"))
     served_model_name: str | None = setting(None, "model name clients use (default: the preset or directory name)")
     kv_blocks: int | None = setting(None, "number of KV-cache blocks (wins over --kv-memory)", minimum=1)
     kv_memory: str | None = setting(None, "KV-cache size, e.g. 512MiB (simulated: per GPU)")
@@ -69,6 +62,11 @@ class ServerConfig:
     max_model_len: int | None = setting(None, "longest prompt + output (default: the model's)", minimum=1)
     attention_backend: str = setting("auto", "attention implementation", choices=("auto", "triton", "torch"))
     device: str = setting("cpu", "torch device of the real engine (cpu, cuda)")
+    dtype: str = setting("auto", "dtype of the weights and the KV cache (auto: the checkpoint's torch_dtype, "
+                         "float32 on a CPU)", choices=("auto", "bfloat16", "float16", "float32"))
+    gpu_memory_utilization: float = setting(
+        0.9, "on CUDA without --kv-blocks/--kv-memory: the share of the GPU's total memory this worker uses; "
+        "the KV cache gets what the weights and one step's activations leave", minimum=0.01, maximum=1.0)
     threads: int | None = setting(None, "torch CPU threads (default: torch's choice)", minimum=1)
     seed: int = setting(0, "engine seed (sampling without a per-request seed)")
     worker_id: str | None = setting(None, "this worker's id (default: <host>-<port>)")
@@ -85,7 +83,8 @@ class ServerConfig:
     kv_stream_maxlen: int = setting(100_000, "approximate bound of the Redis KV-event stream", minimum=100)
     publish_queue: int = setting(10_000, "events buffered while Redis is slow or down (oldest dropped)", minimum=1)
     kv_event_table: int | None = setting(None, "block->chunk mapping entries kept (default: 4 x KV blocks)", minimum=1)
-    max_body_bytes: int = setting(16 * 1024 * 1024, "largest request body accepted (413 above)", minimum=1024)
+    max_body_bytes: int = setting(16 * 1024 * 1024, "largest request body accepted (413 above), bytes or e.g. 16MiB",
+                                  minimum=1024, size=True)
     body_timeout: float = setting(30.0, "seconds a client may take to send its body (408 after)", minimum=0.1)
     drain_timeout: float = setting(30.0, "seconds SIGTERM waits for in-flight requests", minimum=0)
     api_keys: list[str] = setting(list, "API key required as 'Authorization: Bearer <key>' on every "
@@ -110,6 +109,8 @@ class ServerConfig:
                                         minimum=1)
     max_lora_rank: int = setting(16, "largest LoRA rank accepted (sizes the GPU slots)", minimum=1, maximum=1024)
     log_level: str = setting("info", "log level", choices=("debug", "info", "warning", "error"))
+    log_format: str = setting("text", "log lines as text (key=value) or json (one object per line, each key a "
+                              "field)", choices=("text", "json"))
 
     @property
     def model_name(self) -> str:
@@ -176,6 +177,24 @@ class ServerConfig:
                     cpu_kv_load_bytes_per_s=bandwidth * 1e9 if bandwidth is not None else None)
 
 
+# `prefixlb worker --help`, by topic (a setting in no group is listed under "other options").
+HELP_GROUPS: dict[str, tuple[str, ...]] = {
+    "model": ("model", "served_model_name", "tokenizer", "chat_template", "tool_call_parser", "dtype", "device",
+              "attention_backend", "threads", "seed"),
+    "KV cache and batching": ("kv_blocks", "kv_memory", "gpu_memory_utilization", "block_size", "max_num_seqs",
+                              "max_num_batched_tokens", "max_model_len"),
+    "CPU KV tier": ("cpu_kv_blocks", "cpu_kv_memory", "cpu_kv_store_policy", "cpu_kv_min_hits",
+                    "cpu_kv_load_bandwidth"),
+    "server": ("host", "port", "worker_id", "advertise", "api_keys", "max_body_bytes", "body_timeout",
+               "drain_timeout", "log_level", "log_format"),
+    "Redis and KV events": ("redis", "redis_prefix", "redis_signing_key", "heartbeat_interval", "registry_ttl",
+                            "kv_stream_maxlen", "publish_queue", "kv_event_table", "chunk_size"),
+    "LoRA adapters": ("enable_lora", "lora_modules", "max_loras", "max_cpu_loras", "max_lora_rank"),
+    "simulated GPU (--simulate)": ("simulate", "gpu", "sim_model", "sim_tp", "time_scale", "sim_output_len",
+                                   "sim_answers", "sim_answers_model"),
+}
+
+
 def load_server_config(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> ServerConfig:
     """Read a ServerConfig from ``argv`` (``prefixlb worker`` flags), env and ``--config``."""
     cfg = load_settings(ServerConfig, argv, env_prefix=ENV_PREFIX, environ=environ)
@@ -184,12 +203,19 @@ def load_server_config(argv: Sequence[str] | None = None, environ: dict[str, str
 
 
 def check_server_config(cfg: ServerConfig) -> None:
-    """Refuse what the engine would refuse later, now (SettingsError): sizes, recorded answers,
-    ``--lora`` specs."""
+    """Refuse what the engine would refuse later, now (SettingsError): sizes, the Redis URL,
+    recorded answers, ``--lora`` specs."""
     if cfg.kv_memory:
         parse_size(cfg.kv_memory)  # refuse a bad size now, not when the engine starts
     if cfg.cpu_kv_memory:
         parse_size(cfg.cpu_kv_memory)
+    if cfg.redis:
+        from protocol.redis_url import RedisURLError, check_redis_url
+
+        try:
+            check_redis_url(cfg.redis)
+        except RedisURLError as exc:
+            raise SettingsError(f"--redis: {exc}") from None
     if cfg.sim_answers is not None and (not cfg.simulate or not cfg.sim_answers_model):
         raise SettingsError("--sim-answers replays recorded answers on a simulated worker: it needs --simulate "
                             "and --sim-answers-model")

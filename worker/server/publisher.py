@@ -46,6 +46,7 @@ class PublisherStats:
     failures: int = 0
     heartbeats: int = 0
     connected: bool = False
+    last_error: str | None = None  # the latest failure to reach Redis (for /health)
 
 
 class RedisPublisher:
@@ -166,6 +167,7 @@ class RedisPublisher:
                 if not self.stats.connected:
                     log.info("event=redis_connected worker=%s url=%s", self.info.worker_id, redact_url(self.url))
                 self.stats.connected = True
+                self.stats.last_error = None
                 backoff = 0.1
                 if self._stopping:
                     return
@@ -183,6 +185,11 @@ class RedisPublisher:
                     log.exception("event=publisher_step_failed worker=%s", self.info.worker_id)
                 elif self.stats.connected:
                     log.warning("event=redis_lost worker=%s error=%r", self.info.worker_id, exc)
+                elif self.stats.failures == 1 and not self.stats.heartbeats:
+                    log.warning("event=redis_unreachable worker=%s url=%s error=%r: not registered (routers "
+                                "reading Redis do not see this worker) until Redis answers; retrying",
+                                self.info.worker_id, redact_url(self.url), exc)
+                self.stats.last_error = repr(exc)
                 self.stats.connected = False
                 await self._drop_client()
                 if self._stopping:

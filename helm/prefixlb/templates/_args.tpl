@@ -65,6 +65,7 @@ whole numbers are printed as integers.
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--prewarm-max-bytes" "value" $r.prewarm.maxBytes) -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--prewarm-timeout" "value" $r.prewarm.timeoutSeconds) -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--log-level" "value" $r.logLevel) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--log-format" "value" $r.logFormat) -}}
 {{- if and $r.adminPort (eq (int $r.adminPort) (int $r.port)) -}}
 {{- fail "router.adminPort must differ from router.port (null: the admin API on the API port)" -}}
 {{- end -}}
@@ -165,6 +166,8 @@ whole numbers are printed as integers.
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--max-num-batched-tokens" "value" $w.maxNumBatchedTokens) -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--max-model-len" "value" $w.maxModelLen) -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--attention-backend" "value" $w.attentionBackend) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--dtype" "value" $w.dtype) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--gpu-memory-utilization" "value" $w.gpuMemoryUtilization) -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--chunk-size" "value" .Values.chunkSize) -}}
 {{- if $w.lora.enabled -}}
 {{- $_ := set $acc "args" (append $acc.args "--enable-lora") -}}
@@ -180,6 +183,7 @@ whole numbers are printed as integers.
 {{- /* The routers' body limit: what a router accepts, its worker accepts too. */ -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--max-body-bytes" "value" .Values.router.limits.maxBodyBytes) -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--log-level" "value" $w.logLevel) -}}
+{{- include "prefixlb.flag" (dict "acc" $acc "flag" "--log-format" "value" $w.logFormat) -}}
 {{- if include "prefixlb.hasRedis" . -}}
 {{- if and (not .Values.redis.enabled) .Values.redis.url -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--redis" "value" .Values.redis.url) -}}

@@ -1,7 +1,8 @@
 """Loading models: a preset name, or a local Hugging Face checkpoint directory.
 
 A checkpoint directory holds ``config.json`` (LlamaForCausalLM, Qwen2ForCausalLM or
-MistralForCausalLM) and ``*.safetensors``. Hugging Face's separate q/k/v and gate/up tensors
+MistralForCausalLM), ``*.safetensors`` and, optionally, ``generation_config.json`` (its
+``eos_token_id`` adds end-of-sequence ids). Hugging Face's separate q/k/v and gate/up tensors
 are copied into the model's fused ``qkv_proj`` / ``gate_up_proj`` rows; every parameter must
 be found exactly once, or loading fails with :class:`ModelLoadError` naming what is missing.
 """
@@ -24,11 +25,27 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 _STACKED = {hf: target for hf, target in LORA_TARGETS.items() if target[0] != hf}
 
 
+DTYPE_CHOICES = ("auto", *DTYPES)
+
+
 def torch_dtype(name: str) -> torch.dtype:
     """``"float32"`` / ``"float16"`` / ``"bfloat16"`` as a torch dtype."""
     if name not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {name!r}; choose one of {', '.join(DTYPES)}")
     return DTYPES[name]
+
+
+def resolve_dtype(requested: str, checkpoint_dtype: str, device: str) -> torch.dtype:
+    """The dtype weights and KV are kept in: ``requested``, or for ``"auto"`` the checkpoint's
+    ``torch_dtype`` on an accelerator and float32 on a CPU (where half precision is slow)."""
+    if requested != "auto":
+        return torch_dtype(requested)
+    if torch.device(device).type == "cpu":
+        return torch.float32
+    if checkpoint_dtype not in DTYPES:
+        raise ModelLoadError(f"the checkpoint's torch_dtype {checkpoint_dtype!r} is not one of "
+                             f"{', '.join(DTYPES)}: choose one with --dtype")
+    return DTYPES[checkpoint_dtype]
 
 
 def load_model_config(model: str) -> ModelConfig:
@@ -40,11 +57,28 @@ def load_model_config(model: str) -> ModelConfig:
     if not cfg_path.is_file():
         raise ModelLoadError(f"{model!r} is neither a preset ({', '.join(PRESETS)}) nor a directory "
                              "with config.json")
+    config = ModelConfig.from_hf_dict(_read_json(cfg_path))
+    generation = path / "generation_config.json"
+    if generation.is_file():
+        # Instruct checkpoints end a turn with tokens config.json does not name (Llama 3's
+        # <|eot_id|>): generation_config.json's eos_token_id, as vLLM reads it, stops generation too.
+        extra = _read_json(generation).get("eos_token_id")
+        ids = extra if isinstance(extra, list) else [extra] if extra is not None else []
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise ModelLoadError(f"{generation}: eos_token_id must be an integer or a list of integers")
+        merged = list(dict.fromkeys([*config.eos_token_ids, *ids]))
+        config.eos_token_id = merged if len(merged) != 1 else merged[0]
+    return config
+
+
+def _read_json(path: Path) -> dict:
     try:
-        data = json.loads(cfg_path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
-        raise ModelLoadError(f"cannot read {cfg_path}: {exc}") from exc
-    return ModelConfig.from_hf_dict(data)
+        raise ModelLoadError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object")
+    return data
 
 
 def _fused_slices(config: ModelConfig) -> dict[str, list[int]]:

@@ -26,6 +26,7 @@ from worker.server.kv_events import KVEventMapper, request_chunks
 from worker.server.metrics import WorkerMetrics
 from worker.server.publisher import RedisPublisher
 from worker.engine.tokenizer import Tokenizer
+from worker.server.api.tool_calls import ToolCallParser
 from worker.simulator.recorded import RecordedAnswers
 
 log = logging.getLogger("prefixlb.worker.server")
@@ -51,6 +52,7 @@ class WorkerContext:
     api_keys: tuple[str, ...] = ()  # required on /v1/* when set (protocol/api_keys.py)
     recorded: RecordedAnswers | None = None  # the simulator's recorded-answer mode: prompts it can answer
     mapper: KVEventMapper = field(default_factory=KVEventMapper)
+    tool_parser: ToolCallParser | None = None  # --tool-call-parser: turns the model's text into tool_calls
     # With --redis: builds the publisher from this worker's registry entry and load reports.
     publisher_factory: PublisherFactory | None = None
     publisher: RedisPublisher | None = field(init=False, default=None)

@@ -19,6 +19,7 @@ from protocol.openai_api import (ChatCompletionRequest, CompletionRequest, bad_r
                                  model_not_found)
 from protocol.render import RenderError, render_request
 from worker.server.api.context import WorkerContext
+from worker.server.api.tool_calls import ToolCallParser
 from worker.engine.errors import InvalidRequestError
 from worker.engine.kv_cache.hashing import adapter_namespace
 from worker.engine.lora.adapter import LoRAAdapter
@@ -51,7 +52,7 @@ class PreparedRequest:
         return adapter_namespace(self.engine_namespace, self.lora.identity if self.lora else None)
 
 
-def _chat_text(ctx: WorkerContext, req: ChatCompletionRequest) -> str:
+def _chat_token_ids(ctx: WorkerContext, req: ChatCompletionRequest) -> list[int]:
     for i, m in enumerate(req.messages):
         content = m.get("content")
         if isinstance(content, list):
@@ -61,15 +62,57 @@ def _chat_text(ctx: WorkerContext, req: ChatCompletionRequest) -> str:
                                       f"{ctx.model_name} accepts text only",
                                       f"messages[{i}].content[{j}].type", "unsupported")
     try:
-        return ctx.tokenizer.apply_chat_template(req.messages, req.tools, add_generation_prompt=True)
+        return ctx.tokenizer.encode_chat(req.messages, req.tools, add_generation_prompt=True,
+                                         template_kwargs=req.chat_template_kwargs)
     except InvalidRequestError as exc:
-        raise bad_request(str(exc), "messages") from None
+        param = "chat_template_kwargs" if "chat_template_kwargs" in str(exc) else "messages"
+        raise bad_request(str(exc), param) from None
+
+
+# Fields vLLM or OpenAI honour that this worker cannot, with the values that ask for nothing. A
+# request that sets one otherwise is refused (400 "unsupported"), never served as if it had not.
+UNHONOURED_FIELDS: dict[str, tuple[object, ...]] = {
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "structured_outputs": (None,), "prompt_logprobs": (None,), "prediction": (None,), "audio": (None,),
+}
+UNHONOURED_CHAT_FIELDS: dict[str, tuple[object, ...]] = {
+    "functions": (None,), "function_call": (None, "none"), "chat_template": (None,),
+    "continue_final_message": (None, False), "add_generation_prompt": (None, True), "documents": (None,),
+    "modalities": (None, ["text"]), "parallel_tool_calls": (None, True),
+}
+
+
+def check_unhonoured_fields(ctx: WorkerContext, req: CompletionRequest | ChatCompletionRequest) -> None:
+    """400 for a field this worker would otherwise ignore although it changes the answer."""
+    fields = {**UNHONOURED_FIELDS, **UNHONOURED_CHAT_FIELDS} if req.chat else UNHONOURED_FIELDS
+    for name, neutral in fields.items():
+        if name in req.body and req.body[name] not in neutral:
+            raise bad_request(f"'{name}' is not supported by {ctx.model_name} on this worker", name, "unsupported")
+
+
+def check_tool_choice(ctx: WorkerContext, req: ChatCompletionRequest) -> None:
+    """vLLM's rule: tools the model may call (``tool_choice`` auto, the default with tools) need
+    a ``--tool-call-parser`` to turn its text into ``tool_calls``; else 400, never a silent
+    answer without calls."""
+    if req.tools and req.tool_choice != "none" and ctx.tool_parser is None:
+        raise bad_request(f"\"{req.tool_choice}\" tool choice requires the worker to run with --tool-call-parser; "
+                          "send \"tool_choice\": \"none\" to give the model the tools without calls",
+                          "tool_choice", "unsupported")
+
+
+def tool_parser_for(ctx: WorkerContext, req: CompletionRequest | ChatCompletionRequest) -> ToolCallParser | None:
+    """The parser to read ``req``'s answers with: the worker's, for a chat whose tools the model
+    may call; None otherwise (the answer is content only)."""
+    if isinstance(req, ChatCompletionRequest) and req.tools and req.tool_choice != "none":
+        return ctx.tool_parser
+    return None
 
 
 def prompt_token_ids(ctx: WorkerContext, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
-    """Tokenize the request's prompt (chat: through the chat template); BOS as the model wants."""
+    """Tokenize the request's prompt (chat: through the chat template, as transformers'
+    ``apply_chat_template(tokenize=True)``); BOS as the model wants."""
     if isinstance(req, ChatCompletionRequest):
-        return ctx.tokenizer.encode(_chat_text(ctx, req), add_bos=True)
+        return _chat_token_ids(ctx, req)
     if isinstance(req.prompt, str):
         return ctx.tokenizer.encode(req.prompt, add_bos=True)
     vocab = ctx.engine.engine.vocab_size
@@ -100,6 +143,9 @@ def resolve_lora(ctx: WorkerContext, req: CompletionRequest | ChatCompletionRequ
 def prepare(ctx: WorkerContext, req: CompletionRequest | ChatCompletionRequest) -> PreparedRequest:
     """Validate against this worker and build the engine's view of ``req`` (or raise 4xx)."""
     lora = resolve_lora(ctx, req)
+    check_unhonoured_fields(ctx, req)
+    if isinstance(req, ChatCompletionRequest):
+        check_tool_choice(ctx, req)
     try:
         rendered = render_request(req.body, req.chat)
     except RenderError as exc:

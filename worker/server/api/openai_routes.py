@@ -13,9 +13,11 @@ from protocol.openai_api import (SERVICE_UNAVAILABLE, OpenAIError, parse_chat_re
 from worker.server.api.body import read_json
 from worker.server.api.context import CTX, WorkerContext
 from worker.server.api.errors import CACHED_CPU_HEADER, CACHED_GPU_HEADER, WORKER_HEADER, map_exception
-from worker.server.api.generation import PreparedRequest, prepare, run_choices
+from worker.server.api.generation import PreparedRequest, prepare, run_choices, tool_parser_for
 from worker.server.api.responses import (ChoiceState, ResponseMeta, chat_logprobs, completion_logprobs,
-                                  full_response, stream_chunk, usage, usage_chunk)
+                                  full_response, stream_chunk, tool_calls_chunk, tool_finish_reason, usage,
+                                  usage_chunk)
+from worker.server.api.tool_calls import ToolCallStream
 
 log = logging.getLogger("prefixlb.worker.server")
 
@@ -75,7 +77,8 @@ async def _whole(ctx: WorkerContext, prep: PreparedRequest, meta: ResponseMeta) 
                 st.finish_reason = out.finish_reason
     use = usage(prompt_tokens, sum(s.num_tokens for s in states), cached)
     ctx.metrics.count_cached(cached, loaded)
-    body = full_response(meta, ctx.tokenizer, states, prep.params[0].logprobs, use)
+    body = full_response(meta, ctx.tokenizer, states, prep.params[0].logprobs, use,
+                         tool_parser_for(ctx, prep.request))
     return web.json_response(body, dumps=lambda o: json.dumps(o, ensure_ascii=False),
                              headers=_cached_split(cached, loaded))
 
@@ -93,6 +96,9 @@ async def _stream(request: web.Request, ctx: WorkerContext, prep: PreparedReques
     offsets = [0] * n
     tokens = [0] * n
     prompt_tokens = cached = loaded = 0
+    parser = tool_parser_for(ctx, req)
+    # With a tool-call parser, text that may be a call is held back until the answer ends.
+    calls_held = [ToolCallStream(parser) if parser is not None else None for _ in range(n)]
     async with contextlib.aclosing(run_choices(ctx, meta.id, prep)) as outputs:
         # The first output decides between an HTTP error (nothing sent yet) and a stream.
         first = await outputs.__anext__()
@@ -121,9 +127,22 @@ async def _stream(request: web.Request, ctx: WorkerContext, prep: PreparedReques
                         lp = (chat_logprobs(ctx.tokenizer, out.logprobs, top_k) if meta.chat
                               else completion_logprobs(ctx.tokenizer, out.logprobs, top_k, offsets[index]))
                     offsets[index] += len(out.new_text)
-                    if out.new_text or out.finished or lp is not None:
-                        await resp.write(_sse(stream_chunk(meta, index, out.new_text, out.finish_reason,
-                                                           lp, req.include_usage)))
+                    text, finish = out.new_text, out.finish_reason
+                    held = calls_held[index]
+                    if held is not None:
+                        text = held.add(text)
+                        if out.finished:
+                            rest, calls = held.finish()
+                            text += rest
+                            if calls:
+                                if text or lp is not None:
+                                    await resp.write(_sse(stream_chunk(meta, index, text, None, lp,
+                                                                       req.include_usage)))
+                                    text, lp = "", None
+                                await resp.write(_sse(tool_calls_chunk(meta, index, calls, req.include_usage)))
+                                finish = tool_finish_reason(finish, calls)
+                    if text or out.finished or lp is not None:
+                        await resp.write(_sse(stream_chunk(meta, index, text, finish, lp, req.include_usage)))
                 try:
                     pending = [await outputs.__anext__()]
                 except StopAsyncIteration:

@@ -32,13 +32,23 @@ def _draining(ctx: WorkerContext) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 while serving, 503 while draining."""
+    """200 while serving (with the Redis connection's state), 503 while draining."""
     ctx = request.app[CTX]
     if ctx.draining:
         return _draining(ctx)
     if not ctx.engine.is_running:
         raise OpenAIError(503, "The engine is not running", SERVICE_UNAVAILABLE, code="engine_dead")
-    return web.json_response({"status": "ready", "worker_id": ctx.worker_id})
+    return web.json_response({"status": "ready", "worker_id": ctx.worker_id, "redis": _redis_state(ctx)})
+
+
+def _redis_state(ctx: WorkerContext) -> dict:
+    """``off`` without ``--redis``; else ``connected`` or ``unreachable`` with the last error.
+    Redis down degrades routing, never serving: /health stays 200."""
+    if ctx.publisher is None:
+        return {"state": "off"}
+    stats = ctx.publisher.stats
+    state = "connected" if stats.connected else "unreachable"
+    return {"state": state, "last_error": stats.last_error}
 
 
 async def health_generate(request: web.Request) -> web.Response:

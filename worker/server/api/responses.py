@@ -13,6 +13,7 @@ from typing import Any
 
 from worker.engine.runner import TokenLogprob
 from worker.engine.tokenizer import Tokenizer
+from worker.server.api.tool_calls import ToolCall, ToolCallParser
 
 
 @dataclass(slots=True)
@@ -89,9 +90,27 @@ class ChoiceState:
     finish_reason: str | None = None
 
 
+def tool_finish_reason(finish_reason: str | None, calls: list[ToolCall]) -> str | None:
+    """``tool_calls`` for an answer that ended by itself with calls (a truncated one keeps ``length``)."""
+    return "tool_calls" if calls and finish_reason == "stop" else finish_reason
+
+
+def chat_message(c: ChoiceState, parser: ToolCallParser | None) -> tuple[dict[str, Any], str | None]:
+    """The assistant ``message`` of a whole chat answer and its finish reason; with ``parser``
+    the text's tool calls become ``tool_calls`` (``content`` None when nothing else was said)."""
+    if parser is None:
+        return {"role": "assistant", "content": c.text}, c.finish_reason
+    parsed = parser.parse(c.text)
+    if not parsed.tool_calls:
+        return {"role": "assistant", "content": c.text}, c.finish_reason
+    message = {"role": "assistant", "content": parsed.content,
+               "tool_calls": [call.to_openai() for call in parsed.tool_calls]}
+    return message, tool_finish_reason(c.finish_reason, parsed.tool_calls)
+
+
 def full_response(meta: ResponseMeta, tokenizer: Tokenizer, choices: list[ChoiceState],
-                  top_k: int | None, use: dict[str, Any]) -> dict[str, Any]:
-    """A whole (non-streamed) completion or chat completion."""
+                  top_k: int | None, use: dict[str, Any], parser: ToolCallParser | None = None) -> dict[str, Any]:
+    """A whole (non-streamed) completion or chat completion (tool calls read with ``parser``)."""
     body = meta.head(chunk=False)
     out = []
     for c in choices:
@@ -100,8 +119,8 @@ def full_response(meta: ResponseMeta, tokenizer: Tokenizer, choices: list[Choice
             lp = (chat_logprobs(tokenizer, c.logprobs, top_k) if meta.chat
                   else completion_logprobs(tokenizer, c.logprobs, top_k, 0))
         if meta.chat:
-            out.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                        "logprobs": lp, "finish_reason": c.finish_reason})
+            message, finish = chat_message(c, parser)
+            out.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish})
         else:
             out.append({"index": c.index, "text": c.text, "logprobs": lp,
                         "finish_reason": c.finish_reason})
@@ -122,6 +141,16 @@ def stream_chunk(meta: ResponseMeta, index: int, text: str, finish_reason: str |
     else:
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     body["choices"] = [choice]
+    if include_usage:
+        body["usage"] = None
+    return body
+
+
+def tool_calls_chunk(meta: ResponseMeta, index: int, calls: list[ToolCall], include_usage: bool) -> dict[str, Any]:
+    """A chat stream chunk carrying a choice's tool calls, each whole (``index`` orders them)."""
+    body = meta.head(chunk=True)
+    body["choices"] = [{"index": index, "delta": {"tool_calls": [c.to_openai(i) for i, c in enumerate(calls)]},
+                        "logprobs": None, "finish_reason": None}]
     if include_usage:
         body["usage"] = None
     return body
