@@ -47,8 +47,10 @@ def exposed(tmp_path_factory, redis_server_url) -> dict[str, set[str]]:
     worker_port, router_port = free_port(), free_port()
     try:
         with processes() as procs:
+            # With a (small) CPU KV tier: its metrics exist only where there is one.
             procs.append(spawn(["worker", "--simulate", "--port", str(worker_port), "--time-scale", "100",
-                                "--worker-id", "w0", "--redis", redis_server_url, "--redis-prefix", prefix],
+                                "--worker-id", "w0", "--redis", redis_server_url, "--redis-prefix", prefix,
+                                "--cpu-kv-blocks", "64"],
                                logs, "worker", worker_port, timeout=90))
             procs.append(spawn(["router", "--port", str(router_port), "--redis", redis_server_url,
                                 "--redis-prefix", prefix, "--worker", f"http://127.0.0.1:{worker_port}"],
