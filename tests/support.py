@@ -13,7 +13,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, TypeVar
+from typing import Any, AsyncIterator, Callable, Iterator, TypeVar
 
 from protocol.loopback import free_port, http_ok, wait_http_ok
 
@@ -106,3 +106,20 @@ def processes() -> Iterator[list[Proc]]:
     finally:
         for p in procs:
             p.stop()
+
+
+@contextlib.asynccontextmanager
+async def completions_server(handler: Callable[[Any], Any]) -> AsyncIterator[str]:
+    """A loopback aiohttp server answering ``POST /v1/completions`` with ``handler``; yields its URL."""
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    finally:
+        await runner.cleanup()

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from bench.loadgen import _Stream
 from bench.records import RequestRecord
-from bench.stats import summarize
 from bench.routing_report import faithfulness, goal_checks, section, validation
+from bench.stats import summarize
 
 
 def _summary(hit: float, p50: float, p99: float, imbalance: float = 1.0, errors: int = 0) -> dict:
@@ -81,8 +81,9 @@ def test_the_load_generator_reports_how_far_it_fell_behind_the_arrival_schedule(
     from aiohttp import web
 
     from bench.loadgen import LoadConfig, run_load
-    from bench.stats import SUMMARY_KEYS, send_lag, summarize
+    from bench.stats import SUMMARY_KEYS, send_lag
     from bench.workloads import RequestSpec, TextSource, Workload
+    from tests.support import completions_server
 
     async def completions(request: web.Request) -> web.StreamResponse:
         await request.read()
@@ -100,19 +101,10 @@ def test_the_load_generator_reports_how_far_it_fell_behind_the_arrival_schedule(
             return "ab"
 
     async def main() -> list:
-        app = web.Application()
-        app.router.add_post("/v1/completions", completions)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        try:
+        async with completions_server(completions) as url:
             wl = Workload("t", [RequestSpec(i, i * 0.001, ((i, 2),), 1) for i in range(6)])
-            cfg = LoadConfig(target=f"http://127.0.0.1:{port}", model="m", time_scale=2.0, progress=False)
+            cfg = LoadConfig(target=url, model="m", time_scale=2.0, progress=False)
             return await run_load(wl, cfg, SlowText())
-        finally:
-            await runner.cleanup()
 
     records = asyncio.run(main())
     assert all(r.ok for r in records)

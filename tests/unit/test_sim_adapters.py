@@ -130,6 +130,7 @@ def test_the_load_generator_names_a_requests_adapter_as_its_model():
 
     from bench.loadgen import LoadConfig, run_load
     from bench.workloads import RequestSpec, TextSource, Workload
+    from tests.support import completions_server
 
     models: list[str] = []
 
@@ -141,20 +142,10 @@ def test_the_load_generator_names_a_requests_adapter_as_its_model():
         return resp
 
     async def main() -> None:
-        app = web.Application()
-        app.router.add_post("/v1/completions", completions)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        try:
+        async with completions_server(completions) as url:
             wl = Workload("t", [RequestSpec(0, 0.0, ((1, 2),), 1, adapter="tenant-3"),
                                 RequestSpec(1, 0.0, ((2, 2),), 1)])
-            await run_load(wl, LoadConfig(target=f"http://127.0.0.1:{port}", model="base", progress=False),
-                           TextSource())
-        finally:
-            await runner.cleanup()
+            await run_load(wl, LoadConfig(target=url, model="base", progress=False), TextSource())
 
     asyncio.run(main())
     assert sorted(models) == ["base", "tenant-3"]
