@@ -2,7 +2,7 @@
 
 Starts ``prefixlb router`` in front of one simulated worker (or the worker alone) and sends
 ``--concurrency`` bodies at once, each ``--mib`` MiB of ``[[],[],...]`` in a field the server
-ignores, while a prober asks ``GET /health`` every 20 ms. Reports each hostile request's status
+ignores, while a prober asks ``GET /health`` every 5 ms. Reports each hostile request's status
 and time, the server's peak RSS growth (``VmHWM`` from /proc) against one body's size, and the
 health probe's p50/p99 during the attack. Run::
 
@@ -15,6 +15,8 @@ import argparse
 import concurrent.futures
 import http.client
 import json
+import select
+import socket
 import statistics
 import subprocess
 import sys
@@ -36,17 +38,40 @@ def _status_kib(pid: int, field: str) -> int:
     return 0
 
 
-def _post(port: int, body: bytes) -> tuple[int, float, str]:
+def _post(port: int, body: bytes) -> tuple[int, float, str, int]:
+    """POST ``body`` the way a hostile client would: sending as fast as the server reads, and
+    watching for an early answer meanwhile. Returns the status, the seconds until the answer
+    was read, its error code and how many body bytes had been sent by then."""
     started = time.perf_counter()
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    sock = socket.create_connection(("127.0.0.1", port), timeout=120)
     try:
-        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        data = resp.read()
-        code = json.loads(data).get("error", {}).get("code") if resp.status >= 400 else ""
-        return resp.status, time.perf_counter() - started, str(code)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+        sock.setblocking(False)
+        view, sent, answer = memoryview(body), 0, b""
+        while True:
+            readable, writable, _ = select.select([sock], [sock] if sent < len(body) else [], [], 120)
+            if readable:
+                data = sock.recv(1 << 20)
+                answer += data
+                head, sep, rest = answer.partition(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), None)
+                if not data or (sep and length is not None and len(rest) >= length):
+                    break
+            elif writable:
+                try:
+                    sent += sock.send(view[sent:sent + (1 << 20)])
+                except (BlockingIOError, InterruptedError):
+                    pass
+                except (BrokenPipeError, ConnectionResetError):
+                    sent = len(body)
+        elapsed = time.perf_counter() - started
+        status = int(answer.split(b" ", 2)[1])
+        code = json.loads(rest[:length]).get("error", {}).get("code") if status >= 400 else ""
+        return status, elapsed, str(code), sent
     finally:
-        conn.close()
+        sock.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                 conn.getresponse().read()
                 conn.close()
                 health.append(time.perf_counter() - started)
-                time.sleep(0.02)
+                time.sleep(0.005)
 
         prober = threading.Thread(target=probe)
         prober.start()
@@ -102,8 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         hwm_after = _status_kib(target.pid, "VmHWM")
         health.sort()
         report = {"target": args.target, "bodies": args.concurrency, "body_mib": len(body) / 2**20,
-                  "statuses": sorted({f"{s} {c}" for s, _, c in results}),
-                  "seconds_per_request": [round(t, 3) for _, t, _ in results],
+                  "statuses": sorted({f"{s} {c}" for s, _, c, _ in results}),
+                  "seconds_per_request": [round(t, 3) for _, t, _, _ in results],
+                  "mib_sent_before_the_answer": [round(n / 2**20, 1) for *_, n in results],
                   "rss_before_mib": rss_before / 1024, "peak_rss_growth_mib": (hwm_after - max(hwm_before, rss_before)) / 1024,
                   "peak_growth_per_body": (hwm_after - max(hwm_before, rss_before)) * 1024 / len(body),
                   "health_probes": len(health), "health_p50_ms": 1000 * statistics.median(health),

@@ -43,26 +43,100 @@ class BodyStream(Protocol):
     def iter_chunked(self, n: int) -> AsyncIterator[bytes]: ...
 
 
+# Per event loop: the bytes of request bodies being received right now (BodyBytes).
+_RECEIVING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+RECEIVING_BYTES_FLOOR = 256 * 1024 * 1024
+
+
+class BodyBytes:
+    """Admission control for request bodies as they arrive: the bytes of all bodies being
+    received by one process (one event loop) are capped at ``max(256 MiB, 4 x max_body_bytes)``;
+    a body that would take the total over the cap is refused with a 503 (``Retry-After``) rather
+    than buffered."""
+
+    __slots__ = ("held", "cap")
+
+    def __init__(self, cap: int) -> None:
+        self.held = 0
+        self.cap = cap
+
+    @staticmethod
+    def for_loop(limit: int) -> "BodyBytes":
+        loop = asyncio.get_running_loop()
+        books = _RECEIVING.get(loop)
+        if books is None:
+            books = _RECEIVING[loop] = BodyBytes(max(RECEIVING_BYTES_FLOOR, 4 * limit))
+        return books
+
+
+def _server_busy(cap: int) -> OpenAIError:
+    return OpenAIError(503, f"Too many request body bytes are being received at once (over {cap}); retry",
+                       "server_error", None, "server_busy")
+
+
+BUFFER_FROM = 4 * 1024 * 1024
+
+
+class Body(bytearray):
+    """A request body as read by :func:`read_limited_body`: one buffer, filled as the body
+    arrives; ``structure_checked`` when its node count and nesting were checked on the way in."""
+
+    structure_checked = False
+
+
 async def read_limited_body(content_length: int | None, content: BodyStream, limit: int,
-                            timeout: float) -> bytes:
+                            timeout: float, limits: "RequestLimits | None" = None) -> Body:
     """The raw body: a 413 as soon as it is (or is declared) over ``limit`` bytes, a 408 when it
-    has not all arrived within ``timeout`` seconds (slow clients cannot hold a handler)."""
+    has not all arrived within ``timeout`` seconds (slow clients cannot hold a handler), a 503
+    when the bodies being received together would go over :class:`BodyBytes`' cap.
+
+    With ``limits``, the JSON structure is checked as the body arrives (:class:`StructureCheck`):
+    a body over its node budget or nesting limit is refused with a 400 as soon as the bytes
+    received so far prove it, without reading (or holding) the rest. The body is collected in
+    one buffer (no list of chunks joined into a second copy)."""
     if content_length is not None and content_length > limit:
         raise body_too_large(limit)
+    books = BodyBytes.for_loop(limit)
+    check = StructureCheck(limits, content_length) if limits is not None else None
+    buf = Body()
+    # The first BUFFER_FROM bytes are kept as the chunks they arrived in (no copy: a hostile body
+    # is refused within them holding nothing else); a body that goes on is moved into ``buf``.
+    chunks: list[bytes] = []
+    held = 0
 
-    async def _read() -> bytes:
-        chunks, size = [], 0
+    async def _read() -> None:
+        nonlocal held
         async for chunk in content.iter_chunked(64 * 1024):
-            size += len(chunk)
-            if size > limit:
+            if held + len(chunk) > limit:
                 raise body_too_large(limit)
-            chunks.append(chunk)
-        return b"".join(chunks)
+            if books.held + len(chunk) > books.cap:
+                raise _server_busy(books.cap)
+            books.held += len(chunk)
+            held += len(chunk)
+            if check is not None:
+                check.feed(chunk)
+            if held > BUFFER_FROM:
+                if chunks:
+                    for piece in chunks:
+                        buf.extend(piece)
+                    chunks.clear()
+                buf.extend(chunk)
+            else:
+                chunks.append(chunk)
+        for piece in chunks:
+            buf.extend(piece)
+        chunks.clear()
+        if check is not None:
+            check.finish()
+            buf.structure_checked = True
 
     try:
-        return await asyncio.wait_for(_read(), timeout)
+        await asyncio.wait_for(_read(), timeout)
     except asyncio.TimeoutError:
         raise OpenAIError(408, f"Request body not received within {timeout:g} s", code="timeout") from None
+    finally:
+        books.held -= held
+    return buf
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +174,7 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def parse_json_body(raw: bytes, limits: RequestLimits = DEFAULT_LIMITS) -> dict[str, Any]:
+def parse_json_body(raw: bytes | bytearray, limits: RequestLimits = DEFAULT_LIMITS) -> dict[str, Any]:
     """Decode a request body into a JSON object, or raise a 4xx :class:`OpenAIError`.
 
     413 over ``max_body_bytes``; 400 for invalid UTF-8, more nodes than the body's
@@ -111,7 +185,8 @@ def parse_json_body(raw: bytes, limits: RequestLimits = DEFAULT_LIMITS) -> dict[
         raise body_too_large(limits.max_body_bytes)
     if not raw or raw.isspace():
         raise bad_request("Request body is empty; expected a JSON object")
-    _check_structure(raw, limits)
+    if not getattr(raw, "structure_checked", False):
+        _check_structure(raw, limits)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -152,6 +227,110 @@ async def decode_off_loop(raw: bytes, decode: Callable[..., T], *args: Any) -> T
 def _too_many_nodes(nodes: int, budget: int, size: int) -> OpenAIError:
     return bad_request(f"Request body holds {nodes} JSON values and keys; a body of {size} bytes may hold "
                        f"at most {budget}", code="too_many_json_values")
+
+
+# Structure bytes as they are: '"', '[', ']', ',', ':'; '{' and '}' read as '[' and ']'; every
+# other byte but whitespace becomes 'v' (part of a scalar: what makes '[1]' not an empty array).
+_STRUCTURE = bytes(c if c in b'"[],:' else b"["[0] if c == b"{"[0] else b"]"[0] if c == b"}"[0] else b"v"[0]
+                   for c in range(256))
+_WHITESPACE = b" \t\r\n"
+
+
+class StructureCheck:
+    """The node count and nesting depth of a JSON body, exact for valid JSON, computed chunk by
+    chunk as the body arrives (C string operations per chunk, nothing kept between chunks but a
+    few counters): :meth:`feed` raises the 400 as soon as the bytes so far hold more values and
+    keys than any body of the declared (or largest allowed) size may, or nest deeper than
+    ``max_depth``; :meth:`finish` applies the budget of the body's actual size.
+
+    Per chunk: escaped backslashes and quotes are removed (an odd run of backslashes at the end
+    of a chunk waits for the next one); what lies between quotes outside strings is the
+    structure, a string read as one scalar. Every value but the root follows a ``[``, ``:`` or
+    ``,`` and every key a ``{`` or ``,``, except in an empty container, so the nodes are
+    ``1 + #[ + #: + #, - #[]``. For the depth, the chunk's brackets are wrapped in the
+    containers open before it and closed after it: a balanced sequence whose height (the passes
+    of removing every ``[]`` it takes to empty it) is the deepest nesting reached in the chunk.
+    Invalid JSON is left to the parser, whatever is counted here.
+    """
+
+    __slots__ = ("limits", "max_budget", "nodes", "depth", "size", "in_string", "carry", "last")
+
+    def __init__(self, limits: RequestLimits, declared_size: int | None = None) -> None:
+        self.limits = limits
+        self.max_budget = limits.node_budget(limits.max_body_bytes if declared_size is None else declared_size)
+        self.nodes = 1
+        self.depth = 0
+        self.size = 0
+        self.in_string = False
+        self.carry = b""  # a backslash escaping the first byte of the next chunk
+        self.last = b""  # the last structure byte before this chunk ('v' after a string)
+
+    def feed(self, chunk: bytes | bytearray | memoryview) -> None:
+        """Count one more piece of the body; a 400 once it is over budget or too deep."""
+        self.size += len(chunk)
+        data = self.carry + chunk if self.carry else bytes(chunk) if not isinstance(chunk, bytes) else chunk
+        self.carry = b""
+        if b"\\" in data:
+            if (len(data) - len(data.rstrip(b"\\"))) & 1:
+                data, self.carry = data[:-1], b"\\"
+            data = data.replace(b"\\\\", b"").replace(b'\\"', b"")
+        if b'"' not in data:  # no string starts or ends here: all string, or no string at all
+            if self.in_string:
+                return
+            structure, prefix = data.translate(_STRUCTURE, _WHITESPACE), self.last
+        else:
+            parts = data.translate(_STRUCTURE, _WHITESPACE).split(b'"')
+            if self.in_string:
+                prefix, pieces = b"v", parts[1::2]
+            else:
+                prefix, pieces = self.last, parts[0::2]
+            if len(parts) % 2 == 0:
+                self.in_string = not self.in_string
+            structure = b"v".join(pieces)
+            del parts, pieces
+        if not self.in_string:
+            self.last = (prefix + structure[-1:])[-1:]
+        self.nodes += (len(structure.translate(None, b"]v")) - structure.count(b"[]")
+                       - (prefix == b"[" and structure[:1] == b"]"))
+        if self.nodes > self.max_budget:
+            raise self._over(self.max_budget)
+        brackets = structure.translate(None, b",:v")
+        del structure
+        if brackets:
+            self._nest(brackets)
+
+    def _nest(self, brackets: bytes) -> None:
+        limit = self.limits.max_depth
+        end = self.depth + brackets.count(b"[") - brackets.count(b"]")
+        if end < 0:
+            raise bad_request("Request body is not valid JSON: more closing brackets than opening ones")
+        if end > limit:
+            raise bad_request(f"JSON nesting is deeper than {limit} levels")
+        # Within the limit for sure: too few opening brackets, or no two in a row (then every
+        # step up is followed by one down, and the walk never rises more than one level).
+        if self.depth + 1 <= limit and (b"[[" not in brackets or self.depth + brackets.count(b"[") <= limit):
+            self.depth = end
+            return
+        walk = b"[" * self.depth + brackets + b"]" * end
+        for _ in range(limit):
+            walk = walk.replace(b"[]", b"")
+            if not walk:
+                break
+        else:
+            if walk:
+                raise bad_request(f"JSON nesting is deeper than {limit} levels")
+        self.depth = end
+
+    def _over(self, budget: int) -> OpenAIError:
+        if self.depth >= self.limits.max_depth:
+            return bad_request(f"JSON nesting is deeper than {self.limits.max_depth} levels")
+        return _too_many_nodes(self.nodes, budget, self.size)
+
+    def finish(self) -> None:
+        """The budget of the body's actual size (the declared one may have been larger)."""
+        budget = self.limits.node_budget(self.size)
+        if self.nodes > budget:
+            raise self._over(budget)
 
 
 def _check_structure(raw: bytes, limits: RequestLimits) -> None:

@@ -57,9 +57,11 @@ def middlewares(api_keys: Sequence[str]) -> list:
     return [count_responses, error_middleware(retry_after_s=RETRY_AFTER_S), api_key_middleware(api_keys)]
 
 
-async def read_body(request: web.Request, limit: int, timeout: float = 30.0) -> bytes:
-    """The request body: a 413 as soon as it exceeds ``limit`` bytes, a 408 after ``timeout`` s."""
-    return await read_limited_body(request.content_length, request.content, limit, timeout)
+async def read_body(request: web.Request, limit: int, timeout: float = 30.0,
+                    limits: RequestLimits | None = None) -> bytearray:
+    """The request body: a 413 as soon as it exceeds ``limit`` bytes, a 408 after ``timeout`` s;
+    with ``limits``, a 400 as soon as its JSON structure is over budget (while it arrives)."""
+    return await read_limited_body(request.content_length, request.content, limit, timeout, limits)
 
 
 def forwardable(name: str, value: str) -> str:
@@ -98,8 +100,9 @@ def with_include_usage(raw: bytes, body: dict) -> bytes:
 async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
     ctx = request.app[CONTEXT]
     cfg = ctx.config
-    raw = await read_body(request, cfg.max_body_bytes, cfg.body_timeout)
-    parsed = await decode_off_loop(raw, parse_request, chat, RequestLimits(max_body_bytes=cfg.max_body_bytes))
+    limits = RequestLimits(max_body_bytes=cfg.max_body_bytes)
+    raw = await read_body(request, cfg.max_body_bytes, cfg.body_timeout, limits)
+    parsed = await decode_off_loop(raw, parse_request, chat, limits)
     # The client's request id, or one made here: returned, passed to the worker, in the access log.
     request_id = forwardable(HEADER_REQUEST_ID, request.headers.get(HEADER_REQUEST_ID) or uuid.uuid4().hex)
     virtual = ctx.virtual_models.get(parsed.model)

@@ -12,9 +12,10 @@ BODY_READ_TIMEOUT_S = 30.0
 
 
 async def read_body(request: web.Request, limits: RequestLimits,
-                    timeout: float = BODY_READ_TIMEOUT_S) -> bytes:
-    """The raw body, refused early when too large and bounded in time against slow clients."""
-    return await read_limited_body(request.content_length, request.content, limits.max_body_bytes, timeout)
+                    timeout: float = BODY_READ_TIMEOUT_S) -> bytearray:
+    """The raw body, refused early when too large or over its JSON structure budget (checked as
+    it arrives) and bounded in time against slow clients."""
+    return await read_limited_body(request.content_length, request.content, limits.max_body_bytes, timeout, limits)
 
 
 async def read_json(request: web.Request, limits: RequestLimits,
