@@ -65,10 +65,10 @@ def find(docs: list[dict[str, Any]], kind: str, name_suffix: str = "") -> dict[s
 
 
 def container(workload: dict[str, Any], name: str) -> dict[str, Any]:
-    """The container called ``name`` of a Deployment/StatefulSet/Pod."""
+    """The container (or init container) called ``name`` of a Deployment/StatefulSet/Pod."""
     spec = workload["spec"]
     pod = spec["template"]["spec"] if "template" in spec else spec
-    return next(c for c in pod["containers"] if c["name"] == name)
+    return next(c for c in [*pod["containers"], *pod.get("initContainers", [])] if c["name"] == name)
 
 
 def expand_pod_env(args: list[str]) -> list[str]:

@@ -5,13 +5,20 @@ would: each service's command from the compose file (as Docker Compose resolves 
 ``prefixlb <component> <command>``, with only the addresses rewritten to loopback — the compose
 service names become 127.0.0.1 ports, the compose Redis (with its generated per-role passwords,
 checked by tests/unit/test_compose.py) becomes the test Redis under a private key prefix. The official ``openai`` client then calls both routers. The stack runs with the API
-keys an operator sets in the environment (clients -> routers, routers -> workers).
+keys an operator sets in the environment (clients -> routers, routers -> workers), and signed:
+the one-shot ``signing-keys`` script runs as written (with this checkout's ``prefixlb``) and
+writes each worker's own key, which the worker reads from its file, while the routers get the
+fleet secret as their entrypoint gives it; so both workers being routable proves that what
+each one writes into Redis passes the routers' signature check.
 """
 from __future__ import annotations
 
 import json
+import os
 import re
+import secrets
 import subprocess
+import sys
 import urllib.error
 import urllib.request
 import uuid
@@ -49,17 +56,40 @@ def _local_args(command: list[str], ports: dict[str, int], redis_url: str) -> li
     return out
 
 
+def _signing_volumes(service: dict, work) -> dict[str, str]:
+    """Run the ``signing-keys`` one-shot's script as written, its volumes as directories under
+    ``work`` and the fleet secret as redis-secrets makes it; {volume: directory}."""
+    volumes = {m["source"]: str(work / m["source"]) for m in service["volumes"]}
+    for path in volumes.values():
+        os.makedirs(path, exist_ok=True)
+    with open(os.path.join(volumes["signing-fleet"], "secret"), "w") as fh:
+        fh.write(secrets.token_hex(32))
+    bin_dir = work / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "prefixlb").write_text(f"#!/bin/sh\ncd {ROOT} && exec {sys.executable} -m prefixlb \"$@\"\n")
+    (bin_dir / "prefixlb").chmod(0o755)
+    script = service["command"][0].replace("$$", "$")
+    for mount in sorted(service["volumes"], key=lambda m: -len(m["target"])):
+        script = script.replace(mount["target"] + "/", volumes[mount["source"]] + "/")
+    proc = subprocess.run(["sh", "-c", script], env={"PATH": f"{bin_dir}:/usr/bin:/bin"}, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return volumes
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, redis_server_url):
     import redis
 
     # Redis and its one-shot password maker are the test Redis here; the routers and workers build
     # their --redis URL (with their role's password) in their entrypoint, so it is passed directly.
-    services = {n: s for n, s in _resolved_services().items() if not n.startswith("redis")}
+    resolved = _resolved_services()
+    services = {n: s for n, s in resolved.items() if not n.startswith("redis") and n != "signing-keys"}
     ports = {name: free_port() for name in services}
     admin_ports: dict[str, int] = {}
     prefix = f"prefixlb-test-{uuid.uuid4().hex[:10]}:"
     logs = tmp_path_factory.mktemp("compose-stack")
+    volumes = _signing_volumes(resolved["signing-keys"], logs)
     try:
         with processes() as procs:
             # Workers first and in parallel (the model load dominates), then the routers.
@@ -72,8 +102,14 @@ def stack(tmp_path_factory, redis_server_url):
                     admin_ports[name] = free_port()
                     args[args.index("--admin-port") + 1] = str(admin_ports[name])
                 args += ["--redis", redis_server_url, "--redis-prefix", prefix]
-                procs.append(spawn([component, *args], logs, name, ports[name], ready_path=None,
-                                   env={k: str(v) for k, v in (services[name].get("environment") or {}).items()}))
+                env = {k: str(v) for k, v in (services[name].get("environment") or {}).items()}
+                for mount in services[name].get("volumes", []):  # the signing volumes as directories here
+                    if mount["source"] in volumes:
+                        env = {k: v.replace(mount["target"], volumes[mount["source"]]) for k, v in env.items()}
+                if component == "router":  # what its entrypoint exports from $SIGNING_SECRET_FILE
+                    with open(env.pop("SIGNING_SECRET_FILE")) as fh:
+                        env["PREFIXLB_ROUTER_REDIS_SIGNING_SECRET"] = fh.read()
+                procs.append(spawn([component, *args], logs, name, ports[name], ready_path=None, env=env))
             routers = {p.log.stem: p for p in procs if p.log.stem.startswith("router")}
 
             def settled() -> str | None:

@@ -93,9 +93,10 @@ def test_docker_compose_plugin_form_accepts_the_file(tmp_path):
 
 def test_default_stack_is_redis_two_routers_and_two_workers(resolved):
     assert sorted(resolved["default"]["services"]) == [
-        "redis", "redis-secrets", "router-1", "router-2", "worker-1", "worker-2"]
+        "redis", "redis-secrets", "router-1", "router-2", "signing-keys", "worker-1", "worker-2"]
     assert sorted(resolved["observability"]["services"]) == [
-        "grafana", "prometheus", "redis", "redis-secrets", "router-1", "router-2", "worker-1", "worker-2"]
+        "grafana", "prometheus", "redis", "redis-secrets", "router-1", "router-2", "signing-keys", "worker-1",
+        "worker-2"]
 
 
 def _shell(text: str) -> str:
@@ -103,10 +104,10 @@ def _shell(text: str) -> str:
     return text.replace("$$", "$")
 
 
-def _started(service: dict, password: str) -> tuple[list[str], dict[str, str]]:
+def _started(service: dict, password: str, signing_secret: str = "fleet-signing-secret") -> tuple[list[str], dict[str, str]]:
     """(argv, environment) the ``prefixlb`` command of a router or worker service is started with:
-    its entrypoint runs here, with ``password`` in the file it reads and a stand-in ``prefixlb``
-    that reports what it was given."""
+    its entrypoint runs here, with ``password`` (and, for a router, ``signing_secret``) in the
+    files it reads and a stand-in ``prefixlb`` that reports what it was given."""
     import sys
     import tempfile
 
@@ -114,6 +115,9 @@ def _started(service: dict, password: str) -> tuple[list[str], dict[str, str]]:
         password_file = os.path.join(work, "password")
         with open(password_file, "w") as fh:
             fh.write(password)
+        secret_file = os.path.join(work, "signing-secret")
+        with open(secret_file, "w") as fh:
+            fh.write(signing_secret)
         stand_in = os.path.join(work, "prefixlb")
         with open(stand_in, "w") as fh:
             fh.write(f"#!{sys.executable}\nimport json, os, sys\n"
@@ -121,6 +125,8 @@ def _started(service: dict, password: str) -> tuple[list[str], dict[str, str]]:
         os.chmod(stand_in, 0o755)
         environment = {**(service.get("environment") or {}), "REDIS_PASSWORD_FILE": password_file,
                        "PATH": f"{work}:{os.environ['PATH']}"}
+        if "SIGNING_SECRET_FILE" in environment:
+            environment["SIGNING_SECRET_FILE"] = secret_file
         proc = subprocess.run([_shell(a) for a in service["entrypoint"]] + service["command"],
                               env=environment, capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
@@ -141,6 +147,7 @@ def test_every_router_command_uses_flags_prefixlb_router_accepts(resolved):
         argv, environ = _started(service, "router-password")
         cfg = load_router_config(argv, environ=environ)
         assert cfg.redis == "redis://router:router-password@redis:6379/0"
+        assert cfg.redis_signing_secret == "fleet-signing-secret"
         assert cfg.admin_token == "test-token"
 
 
@@ -180,7 +187,7 @@ def test_each_service_mounts_only_its_own_redis_password_and_no_password_is_in_t
     mounts = {name: sorted(v["source"] for v in s.get("volumes", []) if v["source"].startswith("redis-"))
               for name, s in services.items()}
     assert mounts == {"redis-secrets": ["redis-config", "redis-router", "redis-worker"], "redis": ["redis-config"],
-                      "router-1": ["redis-router"], "router-2": ["redis-router"],
+                      "signing-keys": [], "router-1": ["redis-router"], "router-2": ["redis-router"],
                       "worker-1": ["redis-worker"], "worker-2": ["redis-worker"]}
     for name, service in services.items():
         for volume in service.get("volumes", []):
@@ -194,7 +201,7 @@ def test_each_service_mounts_only_its_own_redis_password_and_no_password_is_in_t
 
 
 def _make_secrets(script: str, out: str) -> None:
-    for role in ("redis", "router", "worker"):
+    for role in ("redis", "router", "worker", "signing"):
         os.makedirs(os.path.join(out, role), exist_ok=True)
     proc = subprocess.run(["sh", "-c", _shell(script).replace("/out/", f"{out}/")], capture_output=True,
                           text=True, timeout=30)
@@ -307,7 +314,7 @@ def test_routers_accept_exactly_the_stacks_workers_as_they_register_in_redis(res
 
 def test_servers_listen_on_the_port_their_image_health_checks_and_routers_publish_it(resolved):
     for name, service in resolved["default"]["services"].items():
-        if name.startswith("redis"):
+        if name.startswith("redis") or name == "signing-keys":  # one-shots, no server
             continue
         component = name.split("-")[0]
         load = load_router_config if component == "router" else load_server_config
@@ -535,3 +542,58 @@ def test_the_vllm_router_does_not_take_the_default_routers_ports(resolved):
     assert router_ports == ["8010", "8110"]
     assert len(published) == len([p for s in resolved["vllm"]["services"].values() for p in s.get("ports", [])])
 
+
+
+# ---- signing keys: the fleet secret for the routers, each worker only its own key ----
+
+def test_only_the_routers_mount_the_fleet_secret_and_each_worker_only_its_own_key(resolved):
+    services = resolved["default"]["services"]
+    mounts = {name: {v["source"]: v.get("read_only", False) for v in s.get("volumes", [])
+                     if v["source"].startswith("signing-")} for name, s in services.items()}
+    assert {n: m for n, m in mounts.items() if m} == {
+        "redis-secrets": {"signing-fleet": False},
+        "signing-keys": {"signing-fleet": True, "signing-worker-1": False, "signing-worker-2": False},
+        "router-1": {"signing-fleet": True}, "router-2": {"signing-fleet": True},
+        "worker-1": {"signing-worker-1": True}, "worker-2": {"signing-worker-2": True}}
+    assert services["signing-keys"]["network_mode"] == "none"
+    assert services["worker-1"]["depends_on"]["signing-keys"]["condition"] == "service_completed_successfully"
+
+
+def test_signing_keys_writes_each_workers_own_key_and_the_workers_sign_with_it(resolved, tmp_path):
+    import sys
+
+    from protocol.signing import worker_key
+    from worker.server.config import signing_key
+
+    services = resolved["default"]["services"]
+    out = str(tmp_path / "volumes")
+    _make_secrets(services["redis-secrets"]["command"][0], out)
+    secret = _read(os.path.join(out, "signing", "secret"))
+    assert len(secret) == 64 and secret.isalnum()
+    # signing-keys' script as written, with this checkout's `prefixlb` and its volumes as directories
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "prefixlb").write_text(f"#!/bin/sh\ncd {ROOT} && exec {sys.executable} -m prefixlb \"$@\"\n")
+    (bin_dir / "prefixlb").chmod(0o755)
+    script = _shell(services["signing-keys"]["command"][0])
+    volumes = {v["target"]: v["source"] for v in services["signing-keys"]["volumes"]}
+    for target, source in sorted(volumes.items(), key=lambda kv: -len(kv[0])):
+        local = os.path.join(out, "signing") if source == "signing-fleet" else os.path.join(out, source)
+        os.makedirs(local, exist_ok=True)
+        script = script.replace(target + "/", local + "/")
+    for _ in range(2):  # the next `up` writes the same keys
+        proc = subprocess.run(["sh", "-c", script], env={"PATH": f"{bin_dir}:/usr/bin:/bin"}, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+    for name in ("worker-1", "worker-2"):
+        service = services[name]
+        mount = next(v for v in service["volumes"] if v["source"].startswith("signing-"))
+        key_file = service["environment"]["PREFIXLB_WORKER_REDIS_SIGNING_KEY_FILE"].replace(
+            mount["target"], os.path.join(out, mount["source"]))
+        argv, environ = _started(service, "worker-password")
+        cfg = load_server_config(argv, environ={**environ, "PREFIXLB_WORKER_REDIS_SIGNING_KEY_FILE": key_file})
+        assert signing_key(cfg) == worker_key(secret, cfg.worker_id) and cfg.worker_id == name
+        assert os.stat(key_file).st_mode & 0o777 == 0o444  # readable by the worker's user; only it mounts it
+        assert secret not in json.dumps(environ)
+    router_argv, router_env = _started(services["router-1"], "router-password", signing_secret=secret)
+    assert load_router_config(router_argv, environ=router_env).redis_signing_secret == secret

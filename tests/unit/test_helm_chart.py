@@ -142,6 +142,7 @@ def test_default_install_is_routers_workers_and_redis_with_ha_objects(rendered):
         ("Pod", "demo-prefixlb-router-test"),
         ("Secret", "demo-prefixlb-admin-token"),
         ("Secret", "demo-prefixlb-redis"),
+        ("Secret", "demo-prefixlb-signing"),
         ("Service", "demo-prefixlb-redis"),
         ("Service", "demo-prefixlb-router"),
         ("Service", "demo-prefixlb-worker-headless"),
@@ -322,7 +323,7 @@ def test_admin_token_from_an_existing_secret_renders_no_secret_of_its_own():
     docs = render_chart({"router": {"adminToken": {"existingSecret": "ops-token", "secretKey": "bearer"}}})
     env = {e["name"]: e for e in container(find(docs, "Deployment", "-router"), "router")["env"]}
     assert env["PREFIXLB_ROUTER_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "ops-token", "key": "bearer"}
-    assert [d["metadata"]["name"] for d in docs if d["kind"] == "Secret"] == ["demo-prefixlb-redis"]
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "Secret"] == ["demo-prefixlb-redis", "demo-prefixlb-signing"]
 
 
 def test_admin_token_env_variable_is_the_routers_admin_token_setting():

@@ -38,7 +38,7 @@ from worker.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM
 from worker.engine.llm_engine import LLMEngine
 from worker.server.kv_events import KVEventMapper
 from worker.server.publisher import RedisPublisher
-from worker.server.config import ServerConfig
+from worker.server.config import ServerConfig, signing_key
 from worker.simulator.profiles import SIM_MAX_NUM_BATCHED_TOKENS, SIM_MAX_NUM_SEQS
 from worker.simulator.recorded import RecordedAnswers
 
@@ -138,7 +138,7 @@ def make_context(cfg: ServerConfig, engine: AsyncLLMEngine, built: BuiltEngine) 
         publisher = functools.partial(RedisPublisher, cfg.redis, RedisKeys(cfg.redis_prefix),
                                       heartbeat_interval=cfg.heartbeat_interval, ttl=cfg.registry_ttl,
                                       stream_maxlen=cfg.kv_stream_maxlen, queue_size=cfg.publish_queue,
-                                      signing_key=cfg.redis_signing_key)
+                                      signing_key=signing_key(cfg))
     return WorkerContext(engine=engine, model_name=cfg.model_name, worker_id=cfg.resolved_worker_id,
                          url=cfg.advertise_url, chunk_size=cfg.chunk_size,
                          limits=RequestLimits(max_body_bytes=cfg.max_body_bytes), simulated=cfg.simulate,
@@ -150,6 +150,8 @@ def make_context(cfg: ServerConfig, engine: AsyncLLMEngine, built: BuiltEngine) 
 
 async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> int:
     """Run the worker until SIGTERM/SIGINT, then drain, deregister and return 0."""
+    if cfg.redis:
+        signing_key(cfg)  # an unreadable key file stops the worker before the engine loads
     built = build_engine(cfg)
     engine = built.engine
     async_engine = AsyncLLMEngine(engine)

@@ -77,6 +77,9 @@ class ServerConfig:
     redis_signing_key: str | None = setting(None, "this worker's key for signing what it writes into Redis "
                                             "(`prefixlb signing-key --worker-id ID` prints it from the fleet "
                                             "secret routers take as --redis-signing-secret)", secret=True)
+    redis_signing_key_file: str | None = setting(None, "file holding --redis-signing-key (what the Helm chart's "
+                                                 "and compose's key derivation writes: the worker holds only "
+                                                 "its own key, never the fleet secret)")
     advertise: str | None = setting(None, "URL routers use to reach this worker (default: http://host:port)")
     heartbeat_interval: float = setting(0.5, "seconds between load reports", minimum=0.05, maximum=60)
     registry_ttl: float = setting(5.0, "seconds a registration lives without a heartbeat", minimum=1)
@@ -187,7 +190,8 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
                     "cpu_kv_load_bandwidth"),
     "server": ("host", "port", "worker_id", "advertise", "api_keys", "max_body_bytes", "body_timeout",
                "drain_timeout", "log_level", "log_format"),
-    "Redis and KV events": ("redis", "redis_prefix", "redis_signing_key", "heartbeat_interval", "registry_ttl",
+    "Redis and KV events": ("redis", "redis_prefix", "redis_signing_key", "redis_signing_key_file",
+                            "heartbeat_interval", "registry_ttl",
                             "kv_stream_maxlen", "publish_queue", "kv_event_table", "chunk_size"),
     "LoRA adapters": ("enable_lora", "lora_modules", "max_loras", "max_cpu_loras", "max_lora_rank"),
     "simulated GPU (--simulate)": ("simulate", "gpu", "sim_model", "sim_tp", "time_scale", "sim_output_len",
@@ -222,3 +226,28 @@ def check_server_config(cfg: ServerConfig) -> None:
     if cfg.sim_answers_model is not None and cfg.sim_answers is None:
         raise SettingsError("--sim-answers-model needs --sim-answers FILE")
     _ = cfg.lora_specs  # raises SettingsError on a malformed --lora
+    if cfg.redis_signing_key_file is not None and cfg.redis_signing_key is not None:
+        raise SettingsError("give --redis-signing-key or --redis-signing-key-file, not both")
+    if cfg.redis_signing_key is not None and not _is_signing_key(cfg.redis_signing_key):
+        raise SettingsError("--redis-signing-key: expected the 64 hex digits `prefixlb signing-key` prints")
+
+
+def _is_signing_key(key: str) -> bool:
+    return len(key) == 64 and all(c in "0123456789abcdefABCDEF" for c in key)
+
+
+def signing_key(cfg: ServerConfig) -> str | None:
+    """The worker's Redis signing key: ``--redis-signing-key``, or read from
+    ``--redis-signing-key-file`` when the worker starts (the file is written just before, by the
+    chart's init container or compose's ``signing-keys``); SettingsError if unreadable or malformed."""
+    if cfg.redis_signing_key_file is None:
+        return cfg.redis_signing_key
+    try:
+        with open(cfg.redis_signing_key_file, encoding="ascii") as fh:
+            key = fh.read().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SettingsError(f"--redis-signing-key-file: cannot read it: {exc}") from None
+    if not _is_signing_key(key):
+        raise SettingsError(f"--redis-signing-key-file {cfg.redis_signing_key_file}: expected the 64 hex digits "
+                            "`prefixlb signing-key` writes")
+    return key

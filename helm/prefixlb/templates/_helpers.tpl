@@ -117,6 +117,16 @@ router: {{ printf "resetchannels -@all +multi +exec +discard +ping +client|setin
 worker: {{ printf "resetchannels -@all +ping +client|setinfo %%W~%sworker:* %%W~%sload:* +set +del (%%W~%sworkers +zadd +zrem) (%%W~%skv_events +xadd)" $p $p $p $p | quote }}
 {{- end -}}
 
+{{/* The Secret holding the fleet signing secret (redis.signing). */}}
+{{- define "prefixlb.signingSecretName" -}}
+{{- default (printf "%s-signing" (include "prefixlb.fullname" .)) .Values.redis.signing.existingSecret -}}
+{{- end -}}
+
+{{/* True (non-empty) when Redis messages are signed: redis.signing.enabled and some Redis. */}}
+{{- define "prefixlb.signing" -}}
+{{- if and .Values.redis.signing.enabled (include "prefixlb.hasRedis" .) -}}true{{- end -}}
+{{- end -}}
+
 {{/* True (non-empty) when routers and workers talk to some Redis. */}}
 {{- define "prefixlb.hasRedis" -}}
 {{- if or .Values.redis.enabled .Values.redis.url .Values.redis.existingSecret -}}true{{- end -}}
