@@ -88,7 +88,8 @@ class RouterMetrics:
         self.messages_dropped = Counter("prefixlb_router_messages_dropped_total",
                                         "Messages from workers or Redis refused by their schema or bound to "
                                         "the wrong sender, by kind (registration, load_report, kv_event, "
-                                        "snapshot)", ["kind"], registry=r)
+                                        "snapshot; replay: a signed message older than one already seen "
+                                        "from its worker)", ["kind"], registry=r)
         self.loop_errors = Counter("prefixlb_router_loop_errors_total",
                                    "Unexpected errors a background loop survived, by loop", ["task"], registry=r)
         self.ttfb = Histogram("prefixlb_router_time_to_first_byte_seconds",

@@ -42,7 +42,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from protocol import KVEvent, LoadReport, MessageError, RedisKeys, WorkerInfo
 from protocol.redis_url import redis_client
-from protocol.signing import verify
+from protocol.signing import ReplayGuard, verify
 from router.routing.balancer import Balancer
 from router.metrics import RouterMetrics
 from router.fleet.registry import ROUTABLE, WARMING, InvalidWorkerURL, WorkerRegistry
@@ -60,6 +60,13 @@ MAX_REGISTERED = 10_000  # self-registered workers read from Redis at most (a re
 DRAINS_TTL_S = 7 * 24 * 3600  # an admin drain nobody renewed or cancelled for a week is forgotten
 
 
+class Replayed(Exception):
+    """A validly signed message that is not fresh (protocol/signing.py's ReplayGuard)."""
+
+
+REPLAYED = object()  # what _decode returns for a replayed message
+
+
 class RedisState:
     """Syncs one router's in-memory state with Redis (see the module docstring)."""
 
@@ -69,6 +76,8 @@ class RedisState:
                  registry_grace: float = 15.0, signing_secret: str | None = None) -> None:
         self.url = url
         self.signing_secret = signing_secret  # protocol/signing.py: only signed worker messages count
+        self.replays = ReplayGuard(capacity=4 * MAX_REGISTERED)  # with a secret: only fresh ones count
+        self._accepted: dict[str, WorkerInfo] = {}  # the last fresh registration of each worker id
         self.keys = keys
         self.balancer = balancer
         self.registry = registry
@@ -248,7 +257,10 @@ class RedisState:
                 if raw is None:
                     continue
                 try:
-                    event = self._message(KVEvent, raw)
+                    event = self._message(KVEvent, raw, "kv_event")
+                except Replayed as exc:
+                    self._dropped("replay", f"message=kv_event id={self.last_id} {exc}")
+                    continue
                 except (MessageError, UnicodeDecodeError, ValueError) as exc:
                     self._dropped("kv_event", f"id={self.last_id} error={str(exc)[:200]!r}")
                     continue
@@ -279,11 +291,17 @@ class RedisState:
             for worker_id, raw_info, raw_load in zip(ids, raw_infos, raw_loads):
                 # Bound to the key it was read from: an entry naming another worker is refused.
                 info = self._decode(WorkerInfo, raw_info, worker_id, "registration") if raw_info else None
+                if info is REPLAYED:  # an old registration written over the worker's: keep its last fresh one
+                    info = self._accepted.get(worker_id)
+                elif info is not None:
+                    self._accepted[worker_id] = info
                 if info is not None:
                     infos[worker_id] = info
                 report = self._decode(LoadReport, raw_load, worker_id, "load_report") if raw_load else None
-                if report is not None:
+                if report is not None and report is not REPLAYED:
                     reports.append(report)
+            for stale in [i for i in self._accepted if i not in infos]:
+                del self._accepted[stale]
             gone = [i for i in ids if i not in infos]
             if gone:
                 await client.zrem(self.keys.workers, *gone)
@@ -312,7 +330,10 @@ class RedisState:
     def _decode(self, cls: type, raw: Any, worker_id: str, kind: str) -> Any:
         """A registration or load report read under ``worker_id``'s key, or None (dropped, counted)."""
         try:
-            message = self._message(cls, raw)
+            message = self._message(cls, raw, kind, again_ok=True)
+        except Replayed as exc:
+            self._dropped("replay", f"message={kind} key={worker_id!r} {exc}")
+            return REPLAYED
         except (MessageError, UnicodeDecodeError, ValueError) as exc:
             self._dropped(kind, f"worker_id={worker_id!r} error={str(exc)[:200]!r}")
             return None
@@ -321,12 +342,18 @@ class RedisState:
             return None
         return message
 
-    def _message(self, cls: type, raw: Any) -> Any:
-        """Decode one worker message; with a signing secret only a validly signed one
-        (raises MessageError, SignatureError or ValueError)."""
+    def _message(self, cls: type, raw: Any, kind: str, again_ok: bool = False) -> Any:
+        """Decode one worker message; with a signing secret only a validly signed and fresh one
+        (raises MessageError, SignatureError or ValueError; Replayed for an old one of its worker,
+        see protocol/signing.py's ReplayGuard; ``again_ok``: a key re-read, not a stream entry)."""
         if self.signing_secret is None:
             return cls.from_json(raw)
-        return cls.from_dict(verify(raw, self.signing_secret))
+        data = verify(raw, self.signing_secret)
+        message = cls.from_dict(data)
+        why = self.replays.check(kind, message.worker_id, data, again_ok=again_ok)
+        if why is not None:
+            raise Replayed(f"worker_id={message.worker_id!r} reason={why} inc={data.get('inc')!r} n={data.get('n')!r}")
+        return message
 
     def _dropped(self, kind: str, detail: str) -> None:
         self.metrics.messages_dropped.labels(kind).inc()

@@ -29,8 +29,10 @@ from redis.exceptions import RedisError
 from protocol.keys import RedisKeys
 from protocol.messages import MEDIUM_GPU, KVEvent, LoadReport, WorkerInfo
 from protocol.redis_url import redis_client
-from protocol.signing import sign
+from protocol.signing import Incarnation, sign
 from protocol.settings import redact_url
+
+INCARNATION = Incarnation()  # this worker process's, drawn once when it starts
 
 log = logging.getLogger("prefixlb.worker.publisher")
 
@@ -134,7 +136,10 @@ class RedisPublisher:
 
     def _text(self, message: WorkerInfo | LoadReport | KVEvent) -> str:
         """The message as written to Redis: signed with this worker's key when it has one."""
-        return sign(message.to_dict(), self.signing_key) if self.signing_key else message.to_json()
+        if not self.signing_key:
+            return message.to_json()
+        # the process's incarnation and the next number, signed: routers drop replays (protocol/signing.py)
+        return sign(INCARNATION.stamp(message.to_dict()), self.signing_key)
 
     async def _connect(self) -> aioredis.Redis:
         if self._client is None:
