@@ -15,6 +15,7 @@ import argparse
 import concurrent.futures
 import http.client
 import json
+import os
 import select
 import socket
 import statistics
@@ -36,6 +37,12 @@ def _status_kib(pid: int, field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1])
     return 0
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _post(port: int, body: bytes) -> tuple[int, float, str, int]:
@@ -80,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", choices=("router", "worker"), default="router")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--mib", type=int, default=16)
+    parser.add_argument("--unit", default="[]", help="the value repeated in the junk field ([], {}, 0, \"\")")
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="prefixlb-hostile-"))
     wport, rport = free_port(), free_port()
@@ -100,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         target = procs[-1]
         port = rport if args.target == "router" else wport
         size = args.mib << 20
-        junk = b"[" + b"[]," * ((size - 64) // 3) + b"[]]"
+        unit = args.unit.encode()
+        junk = b"[" + (unit + b",") * ((size - 64) // (len(unit) + 1)) + unit + b"]"
         body = b'{"model":"llama-3-8b","prompt":"hi","max_tokens":1,"junk":' + junk + b"}"
         time.sleep(1.0)  # let the server settle before reading its baseline
         rss_before = _status_kib(target.pid, "VmRSS")
@@ -118,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                 health.append(time.perf_counter() - started)
                 time.sleep(0.005)
 
+        cpu_before = _cpu_s(target.pid)
         prober = threading.Thread(target=probe)
         prober.start()
         with concurrent.futures.ThreadPoolExecutor(args.concurrency) as pool:
@@ -125,13 +135,15 @@ def main(argv: list[str] | None = None) -> int:
         stop.set()
         prober.join()
         hwm_after = _status_kib(target.pid, "VmHWM")
+        cpu_used = _cpu_s(target.pid) - cpu_before
         health.sort()
-        report = {"target": args.target, "bodies": args.concurrency, "body_mib": len(body) / 2**20,
+        report = {"target": args.target, "unit": args.unit, "bodies": args.concurrency, "body_mib": len(body) / 2**20,
                   "statuses": sorted({f"{s} {c}" for s, _, c, _ in results}),
                   "seconds_per_request": [round(t, 3) for _, t, _, _ in results],
                   "mib_sent_before_the_answer": [round(n / 2**20, 1) for *_, n in results],
                   "rss_before_mib": rss_before / 1024, "peak_rss_growth_mib": (hwm_after - max(hwm_before, rss_before)) / 1024,
                   "peak_growth_per_body": (hwm_after - max(hwm_before, rss_before)) * 1024 / len(body),
+                  "server_cpu_s": round(cpu_used, 3), "load_average": os.getloadavg(),
                   "health_probes": len(health), "health_p50_ms": 1000 * statistics.median(health),
                   "health_p99_ms": 1000 * health[int(0.99 * (len(health) - 1))]}
         print(json.dumps(report, indent=2))

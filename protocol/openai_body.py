@@ -234,6 +234,7 @@ def _too_many_nodes(nodes: int, budget: int, size: int) -> OpenAIError:
 _STRUCTURE = bytes(c if c in b'"[],:' else b"["[0] if c == b"{"[0] else b"]"[0] if c == b"}"[0] else b"v"[0]
                    for c in range(256))
 _WHITESPACE = b" \t\r\n"
+_QUOTE_AS_SCALAR = bytes.maketrans(b'"', b"v")
 
 
 class StructureCheck:
@@ -279,36 +280,72 @@ class StructureCheck:
                 return
             structure, prefix = data.translate(_STRUCTURE, _WHITESPACE), self.last
         else:
-            parts = data.translate(_STRUCTURE, _WHITESPACE).split(b'"')
-            if self.in_string:
-                prefix, pieces = b"v", parts[1::2]
-            else:
-                prefix, pieces = self.last, parts[0::2]
-            if len(parts) % 2 == 0:
-                self.in_string = not self.in_string
-            structure = b"v".join(pieces)
-            del parts, pieces
+            tokens = data.translate(_STRUCTURE, _WHITESPACE)
+            structure, prefix = self._plain_strings(tokens)
+            if structure is None:  # some string here holds structure bytes: cut the strings out
+                parts = tokens.split(b'"')
+                if self.in_string:
+                    prefix, pieces = b"v", parts[1::2]
+                else:
+                    prefix, pieces = self.last, parts[0::2]
+                if len(parts) % 2 == 0:
+                    self.in_string = not self.in_string
+                structure = b"v".join(pieces)
+                del parts, pieces
+            del tokens
         if not self.in_string:
             self.last = (prefix + structure[-1:])[-1:]
-        self.nodes += (len(structure.translate(None, b"]v")) - structure.count(b"[]")
-                       - (prefix == b"[" and structure[:1] == b"]"))
+        if b"[" not in structure:  # no container opens here (e.g. a run of strings or numbers)
+            self.nodes += len(structure.translate(None, b"]v"))
+            brackets = structure.translate(None, b",:v")
+            opens = pairs = 0
+        elif b"v" in structure:
+            self.nodes += len(structure.translate(None, b"]v")) - structure.count(b"[]")
+            brackets = structure.translate(None, b",:v")
+            opens, pairs = brackets.count(b"["), brackets.count(b"[]")
+        else:  # no scalar: in valid JSON a ',' or ':' is then always followed by a '[' (cheaper counts)
+            brackets = structure.translate(None, b",:")
+            opens, pairs = brackets.count(b"["), brackets.count(b"[]")
+            self.nodes += len(structure) - len(brackets) + opens - pairs
+        self.nodes -= prefix == b"[" and structure[:1] == b"]"
+        del structure
         if self.nodes > self.max_budget:
             raise self._over(self.max_budget)
-        brackets = structure.translate(None, b",:v")
-        del structure
         if brackets:
-            self._nest(brackets)
+            self._nest(brackets, opens, pairs)
 
-    def _nest(self, brackets: bytes) -> None:
+    def _plain_strings(self, tokens: bytes) -> tuple[bytes | None, bytes]:
+        """The chunk's structure and the byte before it when none of its strings holds a
+        structure byte (then each string simply reads as scalar bytes: cheaper than cutting
+        strings out one by one), else (None, b"") and nothing changed."""
+        if self.in_string:  # the string open at the chunk's start ends at its first quote
+            tokens = tokens[tokens.index(b'"') + 1:]
+            prefix = b"v"
+        else:
+            prefix = self.last
+        quotes = tokens.count(b'"')
+        open_at_end = quotes % 2 == 1
+        if open_at_end:
+            tokens = tokens[:tokens.rindex(b'"')]
+        bare = tokens.translate(None, b"v")  # strings free of structure bytes are '""' here
+        if 2 * bare.count(b'""') != quotes - open_at_end:
+            return None, b""
+        self.in_string = open_at_end
+        return tokens.translate(_QUOTE_AS_SCALAR), prefix
+
+    def _nest(self, brackets: bytes, opens: int, pairs: int) -> None:
+        """Follow the nesting through one chunk's brackets (``opens`` of them '[', ``pairs`` of
+        them '[]')."""
         limit = self.limits.max_depth
-        end = self.depth + brackets.count(b"[") - brackets.count(b"]")
+        end = self.depth + opens - (len(brackets) - opens)
         if end < 0:
             raise bad_request("Request body is not valid JSON: more closing brackets than opening ones")
         if end > limit:
             raise bad_request(f"JSON nesting is deeper than {limit} levels")
         # Within the limit for sure: too few opening brackets, or no two in a row (then every
         # step up is followed by one down, and the walk never rises more than one level).
-        if self.depth + 1 <= limit and (b"[[" not in brackets or self.depth + brackets.count(b"[") <= limit):
+        no_two_opens_in_a_row = pairs == opens - brackets.endswith(b"[")
+        if self.depth + 1 <= limit and (no_two_opens_in_a_row or self.depth + opens <= limit):
             self.depth = end
             return
         walk = b"[" * self.depth + brackets + b"]" * end
