@@ -139,3 +139,37 @@ def test_the_budget_of_the_actual_size_applies_at_the_end():
     check.feed(raw)
     with pytest.raises(OpenAIError, match="JSON values and keys"):
         check.finish()
+
+
+def test_the_bytes_being_received_together_are_capped_with_a_503_and_given_back():
+    from protocol.openai_body import BodyBytes
+
+    class Paused:
+        """60,000 bytes, then nothing until released, then the rest."""
+
+        def __init__(self, release: asyncio.Event) -> None:
+            self.release = release
+
+        async def iter_chunked(self, n: int):
+            yield b" " * 60_000
+            await self.release.wait()
+            yield b'{"a":1}'
+
+    async def main() -> None:
+        books = BodyBytes.for_loop(1 << 24)
+        books.cap = 100_000
+        release = asyncio.Event()
+        first = asyncio.ensure_future(read_limited_body(None, Paused(release), 1 << 24, 5.0, RequestLimits()))
+        await asyncio.sleep(0.01)
+        assert books.held == 60_000
+        with pytest.raises(OpenAIError) as info:  # a second body would take the total over the cap
+            await read_limited_body(None, _Stream(b'{"b":"' + b"x" * 59_990 + b'"}'), 1 << 24, 5.0, RequestLimits())
+        assert (info.value.status, info.value.code) == (503, "server_busy")
+        assert books.held == 60_000  # the refused body gave its bytes back
+        release.set()
+        assert bytes(await first).strip() == b'{"a":1}'
+        assert books.held == 0
+        body = await read_limited_body(None, _Stream(b'{"b":"' + b"x" * 59_990 + b'"}'), 1 << 24, 5.0, RequestLimits())
+        assert len(body) == 59_998 and books.held == 0
+
+    asyncio.run(main())
