@@ -3,8 +3,10 @@ surrogates.
 
 A hostile body must cost little to refuse. A JSON parser allocates an object per value and a
 walk over the result visits each one, so ``[[],[],...]`` costs ~50x its size in memory and
-~0.4 s of CPU per MiB; the structure of the body is therefore measured on its bytes first (C
-string operations, no objects per value) and the body refused before it is parsed:
+~0.4 s of CPU per MiB; the structure of the body is therefore measured on its bytes (C string
+operations, no objects per value) as they arrive (:class:`StructureCheck`, fed by
+:func:`read_limited_body`) and the body refused before it is parsed -- before the rest of it is
+even read, once the bytes received prove it over a limit:
 
 * the number of values and keys ("nodes") is bounded by :meth:`RequestLimits.node_budget`,
   which grows with the body (real requests spend ≥ 4 bytes a node) up to a cap that still fits
