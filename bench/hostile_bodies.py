@@ -1,10 +1,12 @@
 """Parse amplification under fire (issue 13): concurrent huge hostile bodies against a live server.
 
 Starts ``prefixlb router`` in front of one simulated worker (or the worker alone) and sends
-``--concurrency`` bodies at once, each ``--mib`` MiB of ``[[],[],...]`` in a field the server
-ignores, while a prober asks ``GET /health`` every 5 ms. Reports each hostile request's status
-and time, the server's peak RSS growth (``VmHWM`` from /proc) against one body's size, and the
-health probe's p50/p99 during the attack. Run::
+``--concurrency`` bodies at once, each ``--mib`` MiB of ``[[],[],...]`` (``--unit`` picks the
+repeated value) in a field the server ignores, each sent as fast as the server reads it while
+watching for an early answer, while a prober asks ``GET /health`` every 5 ms. Reports each
+hostile request's status and time, how much of its body the client had sent by then, the
+server's peak RSS growth (``VmHWM`` from /proc) against one body's size and its CPU seconds, and
+the health probe's p50/p99 during the attack. Run::
 
     .venv/bin/python -m bench.hostile_bodies --target router
     .venv/bin/python -m bench.hostile_bodies --target worker
