@@ -338,11 +338,16 @@ class AdapterBoard:
             stats.predicted_slot_wait_s += predicted_wait_s
         return tier
 
-    def finished(self, worker_id: str, adapter: str) -> None:
-        """A request for ``adapter`` on ``worker_id`` ended (once per :meth:`dispatched`)."""
+    def finished(self, worker_id: str, adapter: str, now: float) -> None:
+        """A request for ``adapter`` on ``worker_id`` ended at ``now`` (once per :meth:`dispatched`).
+
+        The adapter stays known as in a slot there until a report taken after ``now``: one taken
+        between the dispatch and the worker seeing the request does not show it yet.
+        """
         w = self._workers.get(worker_id)
         if w is not None:
             _decrement(w.sent, adapter)
+            w.recent[adapter] = max(now, w.recent.get(adapter, now))
         _decrement(self._inflight, adapter)
 
     def _stats(self, adapter: str) -> AdapterStats | None:

@@ -379,7 +379,7 @@ class Balancer:
         ``cached_tokens`` None (a backend that does not report it) teaches only the token ratio.
         """
         if booking.adapter_tier and not booking.ticket.finished:
-            self.adapters.finished(booking.decision.worker_id, booking.prompt.adapter or "")
+            self.adapters.finished(booking.decision.worker_id, booking.prompt.adapter or "", now)
         self.board.finish(booking.ticket, now)
         if booking.pending is not None:
             self.precise.finished(booking.pending, now)

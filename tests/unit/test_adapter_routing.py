@@ -206,6 +206,26 @@ def test_dispatches_count_requests_and_the_loads_they_cause_by_tier_and_finishin
     assert not b.adapters.get(home).in_slot("tenant-2")
 
 
+def test_a_report_taken_before_the_worker_saw_a_finished_request_does_not_unload_its_adapter():
+    # The race CI hit: a probe answered between the dispatch and the request reaching the worker
+    # shows the adapter not yet loaded; after the request finished, the next one must not count a load.
+    b = make()
+    home = home_of(b, "tenant-2")
+    for w in WORKERS:
+        b.apply_report(report(w, cpu=["tenant-2"] if w == home else []), now=0.0)
+    p1, p2 = key("tenant-2", "a"), key("tenant-2", "b")
+    k1 = b.dispatch(b.decide(p1, now=1.0), p1, now=1.0)
+    b.apply_report(report(home, cpu=["tenant-2"], ts=1.5), now=1.5)  # taken after the dispatch, before it arrived
+    b.finish(k1, now=2.0)
+    assert b.adapters.get(home).tier("tenant-2") == "gpu"
+    k2 = b.dispatch(b.decide(p2, now=2.1), p2, now=2.1)
+    assert (k1.adapter_tier, k2.adapter_tier) == ("cpu", "gpu")
+    assert b.adapters.stats["tenant-2"].loads == {"cpu": 1, "disk": 0}
+    b.finish(k2, now=2.5)
+    b.apply_report(report(home, cpu=["tenant-2"], ts=3.0), now=3.0)  # after both ended: evicted since
+    assert b.adapters.get(home).tier("tenant-2") == "cpu"
+
+
 def test_reports_are_untrusted_bad_names_dropped_slots_bounded_by_max_loras_times_clamped():
     board = AdapterBoard()
     board.apply_report(at=0.0, report=LoadReport(
