@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 
 from aiohttp import web
 
 from protocol.http_errors import app_runner
 from router.http.admin import admin_app
-from router.http.api import CONTEXT, add_routes, middlewares
+from router.http.api import CONTEXT, add_routes, middlewares, own_metrics
+from router.http.siblings import HEADER_PROCESS, ProcessSlot, Siblings
 from router.config import RouterConfig
 from router.context import RouterContext, build_context, start, stop
 
@@ -40,25 +42,60 @@ def build_admin_app(ctx: RouterContext) -> web.Application:
     return app
 
 
-async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None) -> int:
-    """Run the router until SIGINT/SIGTERM; returns the exit status."""
+def build_control_app(ctx: RouterContext) -> web.Application:
+    """What a process of ``--processes N`` serves its siblings on its control socket: its own
+    metrics, and the admin API that replayed changes reach (not replayed again)."""
+    app = web.Application(middlewares=middlewares(()))
+    app[CONTEXT] = ctx
+    app.router.add_get("/metrics", own_metrics)
+    app.add_subapp("/admin/", admin_app(replicated=False))
+    return app
+
+
+def _stamp_process(index: int):
+    async def stamp(request: web.Request, response: web.StreamResponse) -> None:
+        response.headers[HEADER_PROCESS] = str(index)
+    return stamp
+
+
+async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, slot: ProcessSlot | None = None) -> int:
+    """Run the router until SIGINT/SIGTERM; returns the exit status.
+
+    ``slot``: this is one of ``--processes N`` (``prefixlb/processes.py`` starts them): the ports
+    are shared with the others (``SO_REUSEPORT``), and a control socket serves them.
+    """
     ctx = build_context(cfg)
-    app = build_app(ctx)
+    apps = [build_app(ctx)]
+    if cfg.admin_port is not None:
+        apps.append(build_admin_app(ctx))
+    if slot is not None:
+        ctx.siblings = Siblings(slot)
+        for app in apps:
+            app.on_response_prepare.append(_stamp_process(slot.index))
     await start(ctx)
-    runner = await app_runner(app)
-    admin_runner = await app_runner(build_admin_app(ctx)) if cfg.admin_port is not None else None
+    runner = await app_runner(apps[0])
+    admin_runner = await app_runner(apps[1]) if cfg.admin_port is not None else None
+    control_runner = await app_runner(build_control_app(ctx)) if slot is not None else None
+    shared = slot is not None  # the N processes listen on the same ports
     try:
-        site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024, reuse_address=True)
+        site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024, reuse_address=True, reuse_port=shared)
         await site.start()
         if admin_runner is not None:
-            await web.TCPSite(admin_runner, cfg.host, cfg.admin_port, reuse_address=True).start()
+            await web.TCPSite(admin_runner, cfg.host, cfg.admin_port, reuse_address=True, reuse_port=shared).start()
+        if control_runner is not None and slot is not None:
+            path = slot.socket(slot.index)
+            if os.path.exists(path):
+                os.unlink(path)  # the socket of this slot's previous process (restarted)
+            await web.UnixSite(control_runner, path).start()
+            with open(slot.ready_file(slot.index), "w", encoding="ascii") as f:
+                f.write(str(os.getpid()))
         stopping = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stopping.set)
-        log.info("event=router_listening host=%s port=%d admin_port=%d policy=%s affinity=%s workers=%d redis=%s",
-                 cfg.host, cfg.port, cfg.admin_port or cfg.port, cfg.policy, cfg.affinity, len(ctx.registry),
-                 bool(cfg.redis))
+        log.info("event=router_listening host=%s port=%d admin_port=%d policy=%s affinity=%s workers=%d redis=%s "
+                 "process=%s", cfg.host, cfg.port, cfg.admin_port or cfg.port, cfg.policy, cfg.affinity,
+                 len(ctx.registry), bool(cfg.redis), f"{slot.index + 1}/{slot.count}" if slot else "1/1")
         if ready is not None:
             ready.set()
         await stopping.wait()
@@ -66,6 +103,10 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None) -> int:
         await site.stop()  # no new connections; requests in flight get the grace period
         await ctx.proxy.drain(cfg.shutdown_grace)
     finally:
+        if control_runner is not None:
+            await control_runner.cleanup()
+        if ctx.siblings is not None:
+            await ctx.siblings.close()
         if admin_runner is not None:
             await admin_runner.cleanup()
         await runner.cleanup()

@@ -135,6 +135,9 @@ class RouterConfig:
                                           "at once", minimum=1)
     registry_grace: float = setting(15.0, "seconds a healthy worker stays after its Redis registration "
                                     "vanished (e.g. Redis restarted empty)", minimum=0.0)
+    processes: int = setting(1, "router processes sharing --port (SO_REUSEPORT) and state through --redis, one "
+                             "/metrics view and one admin API; >1 needs --redis and a fixed --port "
+                             '(docs/operations.md, "Several processes per router")', minimum=1, maximum=256)
     shutdown_grace: float = setting(25.0, "seconds requests in flight may finish after SIGTERM; then open streams "
                                     "end with an SSE error event (shutting_down)", minimum=0.0)
     api_keys: list[str] = setting(list, "API key clients must send as 'Authorization: Bearer <key>' on "
@@ -181,6 +184,12 @@ def check_router_config(cfg: RouterConfig) -> None:
     if cfg.admin_token is not None and cfg.admin_token.strip().lower() in PLACEHOLDER_ADMIN_TOKENS:
         raise SettingsError(f"--admin-token: {cfg.admin_token.strip()!r} is a placeholder from the examples; "
                             "set a token of your own (or none: the admin API is then refused)")
+    if cfg.processes > 1 and not cfg.redis:
+        raise SettingsError(f"--processes {cfg.processes} needs --redis: the processes share the prefix index, "
+                            "loads and decisions through it, as several routers do")
+    if cfg.processes > 1 and (cfg.port == 0 or cfg.admin_port == 0):
+        raise SettingsError(f"--processes {cfg.processes} needs a fixed --port (0 would give each process a port "
+                            "of its own)")
     if cfg.admin_port is not None and cfg.admin_port == cfg.port:
         raise SettingsError(f"--admin-port {cfg.admin_port} is --port; give the admin API a port of its own")
     for spec in cfg.workers:
@@ -225,8 +234,8 @@ def load_virtual_model_files(cfg: RouterConfig) -> tuple[dict, "PriceBook | None
 
 # `prefixlb router --help`, by topic (a setting in no group is listed under "other options").
 HELP_GROUPS: dict[str, tuple[str, ...]] = {
-    "listening, access and logs": ("host", "port", "admin_token", "admin_port", "api_keys", "shutdown_grace",
-                                   "log_level", "log_format"),
+    "listening, access and logs": ("host", "port", "processes", "admin_token", "admin_port", "api_keys",
+                                   "shutdown_grace", "log_level", "log_format"),
     "workers and discovery": ("workers", "worker_allow", "worker_api_key", "k8s_selector", "k8s_namespace",
                               "k8s_port", "tokenizers", "registry_interval", "registry_grace"),
     "Redis": ("redis", "redis_prefix", "redis_signing_secret", "snapshot_interval", "startup_sync_timeout"),

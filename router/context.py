@@ -72,6 +72,7 @@ class RouterContext:
     virtual_models: dict[str, Any] = dataclasses.field(default_factory=dict)
     virtual_metrics: Any = None
     costs: CostAccounting = dataclasses.field(default_factory=CostAccounting)
+    siblings: Any = None  # router/http/siblings.Siblings with --processes > 1
     scoring_session: Any = None  # aiohttp session of route classifiers and verifier judges (opened on first use)
 
     def subscribe_kv_events(self, w: Worker) -> None:

@@ -8,6 +8,7 @@ EXAMPLES = """examples:
   prefixlb router --port 8000 --worker http://127.0.0.1:8001 --worker http://127.0.0.1:8002
   prefixlb router --redis redis://127.0.0.1:6379/0 --affinity 0.8 --admin-token s3cret
   prefixlb router --policy least_load --worker http://10.0.0.5:8000
+  prefixlb router --processes 4 --redis redis://127.0.0.1:6379/0 --port 8000
   prefixlb router --worker vllm=http://10.0.0.5:8000,kv-events=tcp://10.0.0.5:5557,kv-replay=tcp://10.0.0.5:5558 \
                   --tokenizer meta-llama/Llama-3.1-8B-Instruct=/models/llama-3.1-8b
 
@@ -21,7 +22,17 @@ def _load():
     from router.fleet.registry import InvalidWorkerURL
     from router.fleet.tokenizers import TokenizerLoadError
 
-    return serve, (InvalidWorkerURL, InvalidWorkerSpec, TokenizerLoadError)
+    return _serve_or_supervise(serve), (InvalidWorkerURL, InvalidWorkerSpec, TokenizerLoadError)
+
+
+def _serve_or_supervise(serve):
+    async def run(cfg: RouterConfig) -> int:
+        if cfg.processes > 1:
+            from prefixlb.processes import supervise
+
+            return await supervise(cfg)
+        return await serve(cfg)
+    return run
 
 
 COMMAND = ServerCommand(name="router", schema=RouterConfig, env_prefix=ENV_PREFIX, description=__doc__,

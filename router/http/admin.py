@@ -23,7 +23,9 @@ Authentication: ``Authorization: Bearer <token>`` compared in constant time with
 no token configured: every admin call is refused (403). Runtime config changes and drains (and
 their end: adding the worker's URL again) are shared with every router through Redis when it is
 configured (``"shared": true`` in the answer); adding and removing workers is per router (workers
-join every router through Redis self-registration or Kubernetes discovery).
+join every router through Redis self-registration or Kubernetes discovery). A router run with
+``--processes N`` is one router here: a change is replayed on its other processes, and
+``/admin/usage`` sums theirs (``router/http/siblings.py``).
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ from protocol.api_keys import bearer_token, matches_any
 from protocol.openai_api import OpenAIError
 from protocol.settings import describe
 from router.http.api import CONTEXT, Handler
+from router.http.siblings import HEADER_APPLIED, REPLAYED_HEADERS, sum_json
 from router.context import ConfigError, RouterContext
 from router.fleet.backends import InvalidWorkerSpec, worker_spec
 from router.fleet.registry import InvalidWorkerURL
@@ -68,6 +71,37 @@ async def admin_auth(request: web.Request, handler: Handler) -> web.StreamRespon
     """Guard every route of the admin sub-application with the bearer token."""
     check_token(request.headers.get("Authorization"), request.config_dict[CONTEXT].config.admin_token)
     return await handler(request)
+
+
+@web.middleware
+async def replicate(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """With ``--processes N``: a change that took here is replayed on the other processes (the
+    same token and body); ``GET /admin/usage`` answers the processes' ledgers summed."""
+    siblings = request.config_dict[CONTEXT].siblings
+    if siblings is None:
+        return await handler(request)
+    if request.method == "GET":
+        response = await handler(request)
+        if request.path.endswith("/usage") and isinstance(response, web.Response) and response.status == 200:
+            theirs = await siblings.gather("GET", request.path_qs, _replayed_headers(request))
+            views = [json.loads(response.body)] + [json.loads(body) for _, status, body in theirs if status == 200]
+            response = web.json_response(sum_json(views))
+            response.headers[HEADER_APPLIED] = f"{len(views)}/{siblings.slot.count}"
+        return response
+    body = await request.read()
+    response = await handler(request)
+    if response.status < 300 and not request.path.endswith("/prewarm"):
+        theirs = await siblings.gather(request.method, request.path_qs, _replayed_headers(request), body)
+        applied = 1 + sum(1 for _, status, _ in theirs if status < 300)
+        if applied < siblings.slot.count:
+            log.warning("event=admin_change_not_replayed path=%s applied=%d processes=%d", request.path, applied,
+                        siblings.slot.count)
+        response.headers[HEADER_APPLIED] = f"{applied}/{siblings.slot.count}"
+    return response
+
+
+def _replayed_headers(request: web.Request) -> dict[str, str]:
+    return {name: request.headers[name] for name in REPLAYED_HEADERS if name in request.headers}
 
 
 async def _json(request: web.Request) -> dict[str, Any]:
@@ -231,9 +265,13 @@ async def set_virtual_models(request: web.Request) -> web.Response:
     return web.json_response(_virtual_view(ctx))
 
 
-def admin_app() -> web.Application:
-    """The /admin/ sub-application (its own auth middleware, so inference requests skip it)."""
-    app = web.Application(middlewares=[admin_auth])
+def admin_app(replicated: bool = True) -> web.Application:
+    """The /admin/ sub-application (its own auth middleware, so inference requests skip it).
+
+    ``replicated``: changes are replayed on the router's other processes (the control socket's
+    copy, which receives the replays, is not).
+    """
+    app = web.Application(middlewares=[admin_auth, replicate] if replicated else [admin_auth])
     app.router.add_get("/workers", list_workers)
     app.router.add_post("/workers", add_worker)
     app.router.add_delete("/workers/{key:.+}", remove_worker)

@@ -29,6 +29,7 @@ from protocol.openai_body import decode_off_loop, read_limited_body
 from protocol.version import version
 from router.context import RouterContext
 from router.cost.ledger import tenant_of
+from router.http.siblings import merge_metrics
 from router.metrics import CONTENT_TYPE
 from router.routing.prompt import prompt_key, session_key_of
 from router.http.proxy import RETRY_AFTER_S, ProxyRequest
@@ -257,7 +258,18 @@ async def version_info(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     """``GET /metrics``: Prometheus exposition format."""
     ctx = request.app[CONTEXT]
+    if ctx.siblings is not None:  # --processes N: one view of them all (router/http/siblings.py)
+        theirs = await ctx.siblings.gather("GET", "/metrics")
+        texts = [(ctx.siblings.slot.index, ctx.metrics.render().decode())]
+        texts += [(i, body.decode()) for i, status, body in theirs if status == 200]
+        body = merge_metrics(sorted(texts), ctx.siblings.slot.count)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
     return web.Response(body=ctx.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+async def own_metrics(request: web.Request) -> web.Response:
+    """``GET /metrics`` on a control socket: this process's metrics alone."""
+    return web.Response(body=request.app[CONTEXT].metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
 def add_routes(app: web.Application) -> None:

@@ -597,3 +597,13 @@ def test_signing_keys_writes_each_workers_own_key_and_the_workers_sign_with_it(r
         assert secret not in json.dumps(environ)
     router_argv, router_env = _started(services["router-1"], "router-password", signing_secret=secret)
     assert load_router_config(router_argv, environ=router_env).redis_signing_secret == secret
+
+
+def test_router_processes_default_to_one_and_follow_the_operators_setting(resolved):
+    for cfg in _configs(resolved["default"], "router-").values():
+        assert cfg.processes == 1
+    proc = _compose("config", "--format", "json", env={"PREFIXLB_ROUTER_PROCESSES": "4"})
+    assert proc.returncode == 0, proc.stderr
+    routers = _configs(json.loads(proc.stdout), "router-")
+    assert sorted(routers) == ["router-1", "router-2"]
+    assert {cfg.processes for cfg in routers.values()} == {4}

@@ -25,6 +25,12 @@ whole numbers are printed as integers.
 {{- define "prefixlb.routerArgs" -}}
 {{- $r := .Values.router -}}
 {{- $acc := dict "args" (list "--host=0.0.0.0" (printf "--port=%d" (int $r.port))) -}}
+{{- if gt (int (default 1 $r.processes)) 1 -}}
+{{- if not (include "prefixlb.hasRedis" .) -}}
+{{- fail "router.processes > 1 needs Redis (redis.enabled, redis.url or redis.existingSecret): the processes share their state through it" -}}
+{{- end -}}
+{{- $_ := set $acc "args" (append $acc.args (printf "--processes=%d" (int $r.processes))) -}}
+{{- end -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--policy" "value" $r.policy) -}}
 {{- include "prefixlb.flag" (dict "acc" $acc "flag" "--affinity" "value" $r.affinity) -}}
 {{- if eq (toString $r.adapterRouting) "false" -}}
