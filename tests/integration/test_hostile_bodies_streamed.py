@@ -7,12 +7,11 @@ from __future__ import annotations
 import json
 import select
 import socket
-import time
 
 import pytest
 
 from tests.integration.worker_client import call
-from tests.support import free_port, processes, spawn
+from tests.support import free_port, processes, spawn, wait_for
 
 MODEL = "m"
 MIB = 1 << 20
@@ -29,10 +28,7 @@ def servers(tmp_path_factory):
         procs.append(spawn(["router", "--port", str(rport), "--worker", f"http://127.0.0.1:{wport}",
                             "--log-level", "warning"], logs, "router", port=rport))
         router, worker = procs[1], procs[0]
-        deadline = time.monotonic() + 30
-        while call(router.url + "/health").json["routable_workers"] != 1:
-            assert time.monotonic() < deadline, router.output()[-2000:]
-            time.sleep(0.05)
+        wait_for(lambda: call(router.url + "/health").json["routable_workers"] == 1, 30, what="a routable worker")
         yield router, worker
         assert router.alive() and worker.alive()
 
