@@ -196,6 +196,9 @@ class RouterContext:
                                   labels=["version", "component"])
         build.add_metric([version(), "router"], 1.0)
         yield build
+        if self.siblings is None:  # with --processes N the merged view says (router/http/siblings.py)
+            yield _gauge("prefixlb_router_processes", "Processes this router runs (--processes)", 1)
+            yield _gauge("prefixlb_router_processes_answering", "Processes whose metrics this scrape merged", 1)
         admission = self.proxy.admission
         yield _gauge("prefixlb_router_inflight_requests", "Requests admitted and not finished", admission.inflight)
         yield _gauge("prefixlb_router_queued_requests", "Requests waiting for capacity", len(admission))

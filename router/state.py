@@ -45,7 +45,7 @@ from protocol.redis_url import redis_client
 from protocol.signing import ReplayGuard, verify
 from router.routing.balancer import Balancer
 from router.metrics import RouterMetrics
-from router.fleet.registry import ROUTABLE, WARMING, InvalidWorkerURL, WorkerRegistry
+from router.fleet.registry import REDIS_SOURCE, ROUTABLE, WARMING, InvalidWorkerURL, WorkerRegistry
 from router.snapshot import SnapshotError, decode, encode
 
 log = logging.getLogger("prefixlb.router.state")
@@ -54,7 +54,6 @@ READ_COUNT = 1000
 SNAPSHOT_SLICE = 5000  # index entries copied between two yields to the event loop
 BACKOFF_S = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
 STALL_SLACK_S = 30.0  # beyond 3 rounds of its period, a loop not come round in this long is stuck
-REDIS_SOURCE = "redis"
 MAX_CONFIG_VERSION = 2**53  # beyond this a shared config version is not a counter's (poison)
 MAX_REGISTERED = 10_000  # self-registered workers read from Redis at most (a registry size cap)
 DRAINS_TTL_S = 7 * 24 * 3600  # an admin drain nobody renewed or cancelled for a week is forgotten

@@ -50,6 +50,7 @@ UNHEALTHY, DRAINING, DRAINED = "unhealthy", "draining", "drained"
 STATES = (JOINING, WARMING, HEALTHY, RECOVERING, UNHEALTHY, DRAINING, DRAINED)
 ROUTABLE = (HEALTHY, RECOVERING)
 STATIC_SOURCES = ("flag", "admin")  # sources nothing re-adds a worker from
+REDIS_SOURCE = "redis"  # a worker's own registration in Redis (router/state.py)
 
 
 @dataclass(slots=True, eq=False)
@@ -177,6 +178,12 @@ class WorkerRegistry:
         w = self._by_url.get(url)
         if w is None and worker_id is not None:
             w = self._by_id.get(worker_id)  # the same worker, known under another URL
+            if w is not None and source == REDIS_SOURCE and w.source == REDIS_SOURCE:
+                # It registered again at a new address (a rescheduled pod keeps its name, not its
+                # IP): the registration is the truth, the old address goes.
+                log.info("event=worker_moved worker_id=%s from=%s to=%s", worker_id, w.url, url)
+                self.remove(w.url)
+                w = None
         if w is not None:
             if source == "admin" and w.admin_drain:
                 self.undrain(w)

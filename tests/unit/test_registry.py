@@ -130,3 +130,26 @@ def test_a_worker_that_drained_itself_takes_traffic_again_when_it_reports_ready(
     assert (w.state, reg.balancer.routable()) == (DRAINED, [])
     reg.mark_ok(w, now=9.0, report=LoadReport("w1", status="ready"))  # restarted at the same address
     assert (w.state, reg.balancer.routable()) == (HEALTHY, ["w1"])
+
+
+def test_a_worker_that_registers_again_at_a_new_address_moves_there():
+    # A rescheduled pod keeps its name (the worker id) and gets a new IP. Before, the old entry
+    # kept the id, the new address was never added, and the worker was lost for good.
+    reg = registry()
+    old = reg.add("http://10.0.0.1:8000", "redis", "w0")
+    reg.mark_ok(old, now=1.0, report=LoadReport("w0"))
+    reg.mark_failed(old, "refused", now=2.0, refused=True)
+    new = reg.add("http://10.0.0.2:8000", "redis", "w0")
+    assert new is not old and new.url == "http://10.0.0.2:8000"
+    assert reg.get("w0") is new and reg.get("http://10.0.0.1:8000") is None
+    reg.mark_ok(new, now=3.0, report=LoadReport("w0"))
+    assert reg.balancer.routable() == ["w0"]
+    assert reg.add("http://10.0.0.2:8000", "redis", "w0") is new  # the same registration again: no change
+
+
+def test_a_redis_registration_does_not_move_a_worker_the_operator_listed():
+    reg = registry()
+    listed = reg.add("http://127.0.0.1:8001", "flag")
+    reg.mark_ok(listed, now=1.0, report=LoadReport("w0"))
+    assert reg.add("http://localhost:8001", "redis", "w0") is listed  # its advertise URL: one worker, kept as listed
+    assert reg.get("w0") is listed
