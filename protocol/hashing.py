@@ -11,6 +11,10 @@ own cache compares with 128-bit hashes), and the feedback path corrects mispredi
 """
 from __future__ import annotations
 
+import io
+from functools import partial
+from itertools import chain, islice
+
 import xxhash
 
 DEFAULT_CHUNK_SIZE = 128
@@ -28,15 +32,15 @@ def chunk_hashes(data: bytes, chunk_size: int, seed: int, limit: int | None = No
         raise ValueError("chunk_size must be positive")
     n = len(data) // chunk_size
     if limit is not None:
-        n = min(n, limit)
-    view = memoryview(data)
-    out = [0] * n
-    h = seed
-    digest = xxhash.xxh3_64_intdigest
-    for i in range(n):
-        start = i * chunk_size
-        h = digest(view[start:start + chunk_size], seed=h)
-        out[i] = h
+        n = max(0, min(n, limit))
+    # No Python bytecode per chunk (a 400 KB prompt has 3,125 chunks: half the cost of a long
+    # prompt's decision was this loop's interpreter overhead): the chunks are read off a BytesIO
+    # by a C iterator, and each hash is fed back as the next one's seed by iterating ``out``
+    # while ``list.extend`` appends to it -- a list iterator sees items appended after it was
+    # created, so ``map`` gets h_{i-1} right after it produced it.
+    chunks = islice(iter(partial(io.BytesIO(data).read, chunk_size), b""), n)
+    out: list[int] = []
+    out.extend(map(xxhash.xxh3_64_intdigest, chunks, chain((seed,), out)))
     return out
 
 
