@@ -130,6 +130,7 @@ class Balancer:
         self._ratios: dict[str, float] = {}
         self._sequence = itertools.count()
         self._rr_order: tuple[str, ...] = ()
+        self._routable: frozenset[str] = frozenset()  # the ring's members, for membership tests
         self._event_sources: set[str] = set()
         self._miss_streak: dict[str, int] = {}
         self._last_seq: dict[str, int] = {}
@@ -152,7 +153,8 @@ class Balancer:
         else:
             self.ring.remove(worker_id)
         self.board.set_routable(worker_id, routable)
-        self._rr_order = tuple(sorted(self.ring.members))
+        self._routable = self.ring.members
+        self._rr_order = tuple(sorted(self._routable))
 
     def remove_worker(self, worker_id: str) -> None:
         """Forget a worker entirely: ring, load, and every index entry it had."""
@@ -164,7 +166,8 @@ class Balancer:
         self._miss_streak.pop(worker_id, None)
         self._event_sources.discard(worker_id)
         self._last_seq.pop(worker_id, None)
-        self._rr_order = tuple(sorted(self.ring.members))
+        self._routable = self.ring.members
+        self._rr_order = tuple(sorted(self._routable))
 
     def routable(self) -> list[str]:
         """The workers new requests may go to."""
@@ -253,15 +256,19 @@ class Balancer:
         """
         cfg = config or self.config
         ring = self.ring
-        successors = [w for w in ring.successors(prompt.ring_key, cfg.ring_candidates + len(exclude))
-                      if w not in exclude][:cfg.ring_candidates]
-        ids = dict.fromkeys(w for w in matches.keys() if w in ring and w not in exclude)
+        routable = self._routable
+        if exclude:
+            successors = [w for w in ring.successors(prompt.ring_key, cfg.ring_candidates + len(exclude))
+                          if w not in exclude][:cfg.ring_candidates]
+        else:
+            successors = ring.successors(prompt.ring_key, cfg.ring_candidates)
+        ids = {w: None for w in matches.keys() if w in routable and w not in exclude}
         if len(self.cpu_index):
             in_tier, _ = self.cpu_index.match_top(prompt.hashes, now, cfg.match_candidates)
-            ids.update(dict.fromkeys(w for w in in_tier if w in ring and w not in exclude))
+            ids.update(dict.fromkeys(w for w in in_tier if w in routable and w not in exclude))
         known = prompt.known_cached
         if known:
-            ids.update(dict.fromkeys(w for w, cached in known.items() if cached and w in ring and w not in exclude))
+            ids.update(dict.fromkeys(w for w, cached in known.items() if cached and w in routable and w not in exclude))
         ids.update(dict.fromkeys(successors))
         ids.update(dict.fromkeys(self.board.least_loaded(cfg.load_candidates, now, exclude)))
         return list(ids), successors
@@ -339,10 +346,7 @@ class Balancer:
             if tiered and worker_id not in known:
                 cached, transfer_s = self._with_tier(worker_id, matched, cached, prompt, prompt_tokens, now,
                                                      cfg.attention_knee_tokens)
-            try:
-                rank = successors.index(worker_id)
-            except ValueError:
-                rank = NOT_ON_RING
+            rank = successors.index(worker_id) if worker_id in successors else NOT_ON_RING
             c = new(Candidate)
             init(c, worker_id=worker_id, tokens_per_s=w.rate(), cached_tokens=cached, pending_s=w.pending_s(now),
                  in_system=w.in_system, over_limit=w.over_limit(), ring_rank=rank, matched_chunks=matched,
