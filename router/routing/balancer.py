@@ -321,10 +321,12 @@ class Balancer:
         else:
             ids, successors = self.candidate_ids(prompt, matches, now, exclude, cfg)
         adapters = self.adapters
-        # The hot loop of every decision (the simulator makes a million): locals, no helpers.
+        # The hot loop of every decision (the simulator makes a million): locals, no helpers, and
+        # each worker's load as the board keeps it current (WorkerLoad.rate_now, slot_wait_s,
+        # full: the values of rate(), pending_s()'s slot wait and over_limit()).
         chunk_tokens = self.chunk_size * self.tokens_per_byte(prompt.ratio_key)
         cap = prompt_tokens - 1
-        board = self.board
+        load_of = self.board.get
         out = []
         # Calling the class with keywords makes CPython 3.11 pack them into a dict and unpack it
         # again for __init__ (~0.45 us per candidate); calling __init__ itself passes them
@@ -333,7 +335,7 @@ class Balancer:
         known = prompt.known_cached or {}
         tiered = len(self.cpu_index) > 0
         for worker_id in ids:
-            w = board.get(worker_id)
+            w = load_of(worker_id)
             matched = matches.get(worker_id, 0)
             cached = 0
             if worker_id in known:
@@ -346,11 +348,13 @@ class Balancer:
             if tiered and worker_id not in known:
                 cached, transfer_s = self._with_tier(worker_id, matched, cached, prompt, prompt_tokens, now,
                                                      cfg.attention_knee_tokens)
-            rank = successors.index(worker_id) if worker_id in successors else NOT_ON_RING
+            backlog = w.busy_until - now
             c = new(Candidate)
-            init(c, worker_id=worker_id, tokens_per_s=w.rate(), cached_tokens=cached, pending_s=w.pending_s(now),
-                 in_system=w.in_system, over_limit=w.over_limit(), ring_rank=rank, matched_chunks=matched,
-                 service_s=w.service_s, transfer_s=transfer_s,
+            init(c, worker_id=worker_id, tokens_per_s=w.rate_now, cached_tokens=cached,
+                 pending_s=(backlog if backlog > 0.0 else 0.0) + w.slot_wait_s,
+                 in_system=w.in_system, over_limit=w.full,
+                 ring_rank=successors.index(worker_id) if worker_id in successors else NOT_ON_RING,
+                 matched_chunks=matched, service_s=w.service_s, transfer_s=transfer_s,
                  adapter_s=adapters.ready_s(worker_id, adapter, w.service_s) if adapter else 0.0)
             out.append(c)
         return out
