@@ -78,6 +78,7 @@ MAX_RATIOS = 10_000  # learned ratio keys (model x endpoint) kept at most
 MAX_RATIO_KEY = 300
 MAX_EVENT_SOURCES = 10_000  # workers whose KV events are tracked at most
 DEFAULT_FEEDBACK_CLEAR_AFTER = 3
+_init_request = RouteRequest.__init__
 
 
 class _DepthLookup(dict):
@@ -237,8 +238,9 @@ class Balancer:
             prompt.adapter = prompt.model  # vLLM's convention: "model": the adapter's name
         if prompt.tokens is not None and self.precise.has_backends():
             prompt.known_cached = self.precise.cached_tokens(prompt.tokens, now) or None
-        request = RouteRequest(prompt_tokens=self.estimate_tokens(prompt), affinity=affinity,
-                               session=prompt.session_key is not None, sequence=next(self._sequence))
+        request = object.__new__(RouteRequest)  # __init__ called directly: see candidate_set
+        _init_request(request, prompt_tokens=self.estimate_tokens(prompt), affinity=affinity,
+                      session=prompt.session_key is not None, sequence=next(self._sequence))
         candidates = policy.candidates(self, request, prompt, matches, now, exclude, cfg)
         if not candidates:
             raise NoCapacity("no workers available", 0)
