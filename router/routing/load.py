@@ -245,7 +245,7 @@ class LoadBoard:
             if w is None or w.heap_version != item[1] or not w.routable:
                 continue  # stale entry: dropped for good
             popped.append(item)
-            if item[2] not in skip and not w.over_limit():
+            if item[2] not in skip and not w.full:
                 out.append(item[2])
         for item in popped:
             heapq.heappush(heap, item)
