@@ -328,7 +328,7 @@ class Balancer:
         # full: the values of rate(), pending_s()'s slot wait and over_limit()).
         chunk_tokens = self.chunk_size * self.tokens_per_byte(prompt.ratio_key)
         cap = prompt_tokens - 1
-        load_of = self.board.get
+        load_of = self.board.loads().__getitem__
         out = []
         # Calling the class with keywords makes CPython 3.11 pack them into a dict and unpack it
         # again for __init__ (~0.45 us per candidate); calling __init__ itself passes them
@@ -343,9 +343,13 @@ class Balancer:
             if worker_id in known:
                 cached = known[worker_id]
             elif matched:
-                tokens = min(matched * chunk_tokens, cap)
+                tokens = matched * chunk_tokens
+                if cap < tokens:  # min(tokens, cap), max(0, ...) without the calls
+                    tokens = cap
                 block = w.block_size
-                cached = max(0, int(tokens // block) * block)
+                cached = int(tokens // block) * block
+                if cached < 0:
+                    cached = 0
             transfer_s = 0.0
             if tiered and worker_id not in known:
                 cached, transfer_s = self._with_tier(worker_id, matched, cached, prompt, prompt_tokens, now,

@@ -38,6 +38,7 @@ import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Mapping
 
 from protocol import LoadReport
 
@@ -212,6 +213,10 @@ class LoadBoard:
     def get(self, worker_id: str) -> WorkerLoad | None:
         """The worker's load record, if tracked."""
         return self._workers.get(worker_id)
+
+    def loads(self) -> Mapping[str, WorkerLoad]:
+        """Every tracked worker's load record by id (the board's own mapping: read, don't write)."""
+        return self._workers
 
     def __contains__(self, worker_id: object) -> bool:
         return worker_id in self._workers

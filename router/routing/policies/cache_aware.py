@@ -53,13 +53,17 @@ class CacheAware(Policy):
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate], config: PolicyConfig) -> Decision:
         """The candidate of least cost (see the module docstring); near-ties by ring order."""
-        usable = under_limit(candidates)
         bound = request.load_bound
         if bound > 0:
             # The spill allowance is a hard cap: past twice its fair share of requests in flight no
             # worker takes more, whatever its cache or its reported speed (a worker that lies about
-            # its load cannot take the fleet; bounded-load consistent hashing's guarantee).
-            usable = [c for c in usable if c.in_system < FAIR_SHARE_CAP * bound] or usable
+            # its load cannot take the fleet; bounded-load consistent hashing's guarantee). If
+            # every worker under its hard limit is past it, any of them.
+            spill_cap = FAIR_SHARE_CAP * bound
+            usable = ([c for c in candidates if not c.over_limit and c.in_system < spill_cap]
+                      or under_limit(candidates))
+        else:
+            usable = under_limit(candidates)
         affinity = config.affinity if request.affinity is None else request.affinity
         weight = locality_weight(affinity)
         shared_weight = min(weight, 1.0)
