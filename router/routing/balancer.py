@@ -325,7 +325,7 @@ class Balancer:
         adapters = self.adapters
         # The hot loop of every decision (the simulator makes a million): locals, no helpers, and
         # each worker's load as the board keeps it current (WorkerLoad.rate_now, slot_wait_s,
-        # full: the values of rate(), pending_s()'s slot wait and over_limit()).
+        # over_limit_now: the values of rate(), pending_s()'s slot wait and over_limit()).
         chunk_tokens = self.chunk_size * self.tokens_per_byte(prompt.ratio_key)
         cap = prompt_tokens - 1
         load_of = self.board.loads().__getitem__
@@ -358,7 +358,7 @@ class Balancer:
             c = new(Candidate)
             init(c, worker_id=worker_id, tokens_per_s=w.rate_now, cached_tokens=cached,
                  pending_s=(backlog if backlog > 0.0 else 0.0) + w.slot_wait_s,
-                 in_system=w.in_system, over_limit=w.full,
+                 in_system=w.in_system, over_limit=w.over_limit_now,
                  ring_rank=successors.index(worker_id) if worker_id in successors else NOT_ON_RING,
                  matched_chunks=matched, service_s=w.service_s, transfer_s=transfer_s,
                  adapter_s=adapters.ready_s(worker_id, adapter, w.service_s) if adapter else 0.0)

@@ -123,7 +123,7 @@ class WorkerLoad:
     # the board changes the worker (``LoadBoard._refresh``), not as time passes.
     rate_now: float = 0.0
     slot_wait_s: float = 0.0
-    full: bool = False
+    over_limit_now: bool = False
 
     def rate(self) -> float:
         """Effective prefill tokens per second, decode pressure included."""
@@ -250,7 +250,7 @@ class LoadBoard:
             if w is None or w.heap_version != item[1] or not w.routable:
                 continue  # stale entry: dropped for good
             popped.append(item)
-            if item[2] not in skip and not w.full:
+            if item[2] not in skip and not w.over_limit_now:
                 out.append(item[2])
         for item in popped:
             heapq.heappush(heap, item)
@@ -385,10 +385,10 @@ class LoadBoard:
 
     @staticmethod
     def _refresh(w: WorkerLoad) -> None:
-        """Bring ``w``'s cached ``rate_now``, ``slot_wait_s`` and ``full`` up to date (after any change)."""
+        """Bring ``w``'s cached ``rate_now``, ``slot_wait_s`` and ``over_limit_now`` up to date (after any change)."""
         w.rate_now = w.rate()
         w.slot_wait_s = w.slot_wait()
-        w.full = w.over_limit()
+        w.over_limit_now = w.over_limit()
 
     def _push(self, w: WorkerLoad) -> None:
         w.heap_version = next(self._counter)
