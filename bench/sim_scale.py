@@ -8,23 +8,28 @@ one (busy ~40%, most requests hitting their tenant's prompt). Workload generatio
 simulation are timed separately, in wall and CPU seconds (the machine is shared: CPU time is the
 stable measure). ``--profile`` prints the top functions (cProfile, ~2× slower); ``--breakdown``
 prints the CPU time of the router's and the replicas' entry points (a timer around each call,
-~0.5 µs per call added).
+~0.5 µs per call added, and a nested timer's cost counts in its caller's time too);
+``--replay N`` times the run's last ``N`` decisions again after it, ``Balancer.decide`` alone and
+uninstrumented, against the fleet as the run left it.
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
 import contextlib
+import gc
 import importlib
 import io
 import pstats
 import time
+from collections import deque
 from typing import Iterator
 
 from bench.sim.fleet import FleetConfig, simulate
 from bench.sim.router import SimRouterConfig
 from bench.stats import summarize
 from bench.workloads import load_workload
+from router.routing.balancer import Balancer
 
 
 # (label, module, attribute path): what --breakdown times, nested calls indented under their callers.
@@ -78,6 +83,42 @@ def cpu_breakdown(targets=BREAKDOWN) -> Iterator[dict[str, list[float]]]:
             setattr(owner, name, original)
 
 
+@contextlib.contextmanager
+def recorded_decisions(last: int) -> Iterator[deque]:
+    """Record the arguments of the last ``last`` ``Balancer.decide`` calls (none if ``last`` is 0)."""
+    calls: deque = deque(maxlen=last)
+    if last <= 0:
+        yield calls
+        return
+    original = Balancer.__dict__["decide"]
+
+    def recording(self, prompt, now, *args, **kwargs):
+        calls.append((self, prompt, now, args, kwargs))
+        return original(self, prompt, now, *args, **kwargs)
+    Balancer.decide = recording  # type: ignore[method-assign]
+    try:
+        yield calls
+    finally:
+        Balancer.decide = original  # type: ignore[method-assign]
+
+
+def replay_us(calls: deque, rounds: int = 5) -> float:
+    """CPU µs per decision of ``calls`` decided again at the last one's time (best of ``rounds``).
+
+    ``decide`` changes no routing state (only the request counter that ``round_robin`` reads).
+    """
+    now = calls[-1][2]
+    best = float("inf")
+    for _ in range(rounds):
+        gc.disable()
+        t = time.process_time()
+        for balancer, prompt, _, args, kwargs in calls:
+            balancer.decide(prompt, now, *args, **kwargs)
+        best = min(best, time.process_time() - t)
+        gc.enable()
+    return best / len(calls) * 1e6
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one scale measurement and print it."""
     p = argparse.ArgumentParser(prog="python -m bench.sim_scale", description=__doc__,
@@ -90,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="step with the reference worker (every running request every step), not the aggregate one")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--breakdown", action="store_true", help="CPU time per router / replica entry point")
+    p.add_argument("--replay", type=int, default=0, metavar="N",
+                   help="after the run, time its last N decisions again (decide alone, uninstrumented)")
     args = p.parse_args(argv)
     w = args.workers
     t0 = time.perf_counter()
@@ -101,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     prof = cProfile.Profile() if args.profile else None
     if prof:
         prof.enable()
-    with cpu_breakdown() if args.breakdown else contextlib.nullcontext({}) as breakdown:
+    with (cpu_breakdown() if args.breakdown else contextlib.nullcontext({}) as breakdown,
+          recorded_decisions(args.replay) as decisions):
         cpu = time.process_time()
         result = simulate(workload, cfg)
         cpu = time.process_time() - cpu
@@ -120,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         for label, (seconds, calls) in breakdown.items():
             if calls:
                 print(f"{label:52s} {calls:9d} {seconds:7.2f} {seconds / cpu:6.1%} {seconds / calls * 1e6:8.1f}")
+    if decisions:
+        print(f"Balancer.decide replayed: {replay_us(decisions):.1f} us CPU per decision "
+              f"(the last {len(decisions)}, best of 5)")
     if prof:
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(12)

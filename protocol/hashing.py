@@ -11,6 +11,11 @@ own cache compares with 128-bit hashes), and the feedback path corrects mispredi
 """
 from __future__ import annotations
 
+import struct
+from functools import lru_cache
+from itertools import chain, repeat
+from typing import Callable, Iterable
+
 import xxhash
 
 DEFAULT_CHUNK_SIZE = 128
@@ -28,16 +33,31 @@ def chunk_hashes(data: bytes, chunk_size: int, seed: int, limit: int | None = No
         raise ValueError("chunk_size must be positive")
     n = len(data) // chunk_size
     if limit is not None:
-        n = min(n, limit)
-    view = memoryview(data)
-    out = [0] * n
-    h = seed
-    digest = xxhash.xxh3_64_intdigest
-    for i in range(n):
-        start = i * chunk_size
-        h = digest(view[start:start + chunk_size], seed=h)
-        out[i] = h
+        n = max(0, min(n, limit))
+    # No Python bytecode per chunk (a 400 KB prompt has 3,125 chunks: half the cost of a long
+    # prompt's decision was this loop's interpreter overhead): struct cuts the chunks, 64 per C
+    # call, and each hash is fed back as the next one's seed by iterating ``out`` while
+    # ``list.extend`` appends to it -- a list iterator sees items appended after it was created,
+    # so ``map`` gets h_{i-1} right after it produced it.
+    full, rest = divmod(n, _BATCH)
+    step = _BATCH * chunk_size
+    chunks: Iterable[bytes] = ()
+    if full:
+        chunks = chain.from_iterable(map(_cutter(chunk_size, _BATCH), repeat(data, full), range(0, full * step, step)))
+    if rest:
+        chunks = chain(chunks, _cutter(chunk_size, rest)(data, full * step))
+    out: list[int] = []
+    out.extend(map(xxhash.xxh3_64_intdigest, chunks, chain((seed,), out)))
     return out
+
+
+_BATCH = 64  # chunks cut by one struct call
+
+
+@lru_cache(maxsize=256)
+def _cutter(chunk_size: int, count: int) -> Callable[..., tuple[bytes, ...]]:
+    """``unpack_from(buffer, offset)``: ``count`` consecutive ``chunk_size``-byte chunks as bytes."""
+    return struct.Struct(f"{chunk_size}s" * count).unpack_from
 
 
 def session_hash(session_key: str, seed: int) -> int:

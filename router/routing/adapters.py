@@ -186,6 +186,12 @@ class AdapterBoard:
         """Take a worker's adapter picture from its load report, stamped ``at`` (fields validated
         and bounded); what this router sent there after ``at`` stays known as in a slot."""
         old = self._workers.get(report.worker_id)
+        if not (report.max_loras or report.lora_adapters or report.lora_gpu or report.lora_cpu
+                or report.lora_running or report.lora_waiting):
+            # A worker without adapters (every report of a fleet without LoRA): nothing to parse.
+            if old is not None:
+                self._forget(report.worker_id)
+            return
         max_loras = report.max_loras if isinstance(report.max_loras, int) and report.max_loras > 0 else 0
         served = _names(report.lora_adapters)
         running, waiting = _counts(report.lora_running), _counts(report.lora_waiting)

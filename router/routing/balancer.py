@@ -78,6 +78,7 @@ MAX_RATIOS = 10_000  # learned ratio keys (model x endpoint) kept at most
 MAX_RATIO_KEY = 300
 MAX_EVENT_SOURCES = 10_000  # workers whose KV events are tracked at most
 DEFAULT_FEEDBACK_CLEAR_AFTER = 3
+_init_request = RouteRequest.__init__
 
 
 class _DepthLookup(dict):
@@ -130,6 +131,7 @@ class Balancer:
         self._ratios: dict[str, float] = {}
         self._sequence = itertools.count()
         self._rr_order: tuple[str, ...] = ()
+        self._routable: frozenset[str] = frozenset()  # the ring's members, for membership tests
         self._event_sources: set[str] = set()
         self._miss_streak: dict[str, int] = {}
         self._last_seq: dict[str, int] = {}
@@ -152,7 +154,8 @@ class Balancer:
         else:
             self.ring.remove(worker_id)
         self.board.set_routable(worker_id, routable)
-        self._rr_order = tuple(sorted(self.ring.members))
+        self._routable = self.ring.members
+        self._rr_order = tuple(sorted(self._routable))
 
     def remove_worker(self, worker_id: str) -> None:
         """Forget a worker entirely: ring, load, and every index entry it had."""
@@ -164,7 +167,8 @@ class Balancer:
         self._miss_streak.pop(worker_id, None)
         self._event_sources.discard(worker_id)
         self._last_seq.pop(worker_id, None)
-        self._rr_order = tuple(sorted(self.ring.members))
+        self._routable = self.ring.members
+        self._rr_order = tuple(sorted(self._routable))
 
     def routable(self) -> list[str]:
         """The workers new requests may go to."""
@@ -234,8 +238,9 @@ class Balancer:
             prompt.adapter = prompt.model  # vLLM's convention: "model": the adapter's name
         if prompt.tokens is not None and self.precise.has_backends():
             prompt.known_cached = self.precise.cached_tokens(prompt.tokens, now) or None
-        request = RouteRequest(prompt_tokens=self.estimate_tokens(prompt), affinity=affinity,
-                               session=prompt.session_key is not None, sequence=next(self._sequence))
+        request = object.__new__(RouteRequest)  # __init__ called directly: see candidate_set
+        _init_request(request, prompt_tokens=self.estimate_tokens(prompt), affinity=affinity,
+                      session=prompt.session_key is not None, sequence=next(self._sequence))
         candidates = policy.candidates(self, request, prompt, matches, now, exclude, cfg)
         if not candidates:
             raise NoCapacity("no workers available", 0)
@@ -253,15 +258,19 @@ class Balancer:
         """
         cfg = config or self.config
         ring = self.ring
-        successors = [w for w in ring.successors(prompt.ring_key, cfg.ring_candidates + len(exclude))
-                      if w not in exclude][:cfg.ring_candidates]
-        ids = dict.fromkeys(w for w in matches.keys() if w in ring and w not in exclude)
+        routable = self._routable
+        if exclude:
+            successors = [w for w in ring.successors(prompt.ring_key, cfg.ring_candidates + len(exclude))
+                          if w not in exclude][:cfg.ring_candidates]
+        else:
+            successors = ring.successors(prompt.ring_key, cfg.ring_candidates)
+        ids = {w: None for w in matches.keys() if w in routable and w not in exclude}
         if len(self.cpu_index):
             in_tier, _ = self.cpu_index.match_top(prompt.hashes, now, cfg.match_candidates)
-            ids.update(dict.fromkeys(w for w in in_tier if w in ring and w not in exclude))
+            ids.update(dict.fromkeys(w for w in in_tier if w in routable and w not in exclude))
         known = prompt.known_cached
         if known:
-            ids.update(dict.fromkeys(w for w, cached in known.items() if cached and w in ring and w not in exclude))
+            ids.update(dict.fromkeys(w for w, cached in known.items() if cached and w in routable and w not in exclude))
         ids.update(dict.fromkeys(successors))
         ids.update(dict.fromkeys(self.board.least_loaded(cfg.load_candidates, now, exclude)))
         return list(ids), successors
@@ -314,10 +323,12 @@ class Balancer:
         else:
             ids, successors = self.candidate_ids(prompt, matches, now, exclude, cfg)
         adapters = self.adapters
-        # The hot loop of every decision (the simulator makes a million): locals, no helpers.
+        # The hot loop of every decision (the simulator makes a million): locals, no helpers, and
+        # each worker's load as the board keeps it current (WorkerLoad.rate_now, slot_wait_s,
+        # over_limit_now: the values of rate(), pending_s()'s slot wait and over_limit()).
         chunk_tokens = self.chunk_size * self.tokens_per_byte(prompt.ratio_key)
         cap = prompt_tokens - 1
-        board = self.board
+        load_of = self.board.loads().__getitem__
         out = []
         # Calling the class with keywords makes CPython 3.11 pack them into a dict and unpack it
         # again for __init__ (~0.45 us per candidate); calling __init__ itself passes them
@@ -326,27 +337,30 @@ class Balancer:
         known = prompt.known_cached or {}
         tiered = len(self.cpu_index) > 0
         for worker_id in ids:
-            w = board.get(worker_id)
+            w = load_of(worker_id)
             matched = matches.get(worker_id, 0)
             cached = 0
             if worker_id in known:
                 cached = known[worker_id]
             elif matched:
-                tokens = min(matched * chunk_tokens, cap)
+                tokens = matched * chunk_tokens
+                if cap < tokens:  # min(tokens, cap), max(0, ...) without the calls
+                    tokens = cap
                 block = w.block_size
-                cached = max(0, int(tokens // block) * block)
+                cached = int(tokens // block) * block
+                if cached < 0:
+                    cached = 0
             transfer_s = 0.0
             if tiered and worker_id not in known:
                 cached, transfer_s = self._with_tier(worker_id, matched, cached, prompt, prompt_tokens, now,
                                                      cfg.attention_knee_tokens)
-            try:
-                rank = successors.index(worker_id)
-            except ValueError:
-                rank = NOT_ON_RING
+            backlog = w.busy_until - now
             c = new(Candidate)
-            init(c, worker_id=worker_id, tokens_per_s=w.rate(), cached_tokens=cached, pending_s=w.pending_s(now),
-                 in_system=w.in_system, over_limit=w.over_limit(), ring_rank=rank, matched_chunks=matched,
-                 service_s=w.service_s, transfer_s=transfer_s,
+            init(c, worker_id=worker_id, tokens_per_s=w.rate_now, cached_tokens=cached,
+                 pending_s=(backlog if backlog > 0.0 else 0.0) + w.slot_wait_s,
+                 in_system=w.in_system, over_limit=w.over_limit_now,
+                 ring_rank=successors.index(worker_id) if worker_id in successors else NOT_ON_RING,
+                 matched_chunks=matched, service_s=w.service_s, transfer_s=transfer_s,
                  adapter_s=adapters.ready_s(worker_id, adapter, w.service_s) if adapter else 0.0)
             out.append(c)
         return out

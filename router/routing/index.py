@@ -23,9 +23,11 @@ once and are dropped lazily as they are met.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
-from itertools import islice
+from functools import partial
+from itertools import islice, repeat, takewhile
+from operator import lt
 from typing import Iterable, Iterator, Sequence
 
 
@@ -52,6 +54,8 @@ class IndexStats:
 DEFAULT_MAX_ENTRIES = 200_000
 DEFAULT_OPTIMISTIC_TTL_S = 30.0
 DEFAULT_CONFIRMED_TTL_S = 3600.0
+_NO_ENTRY: dict = {}  # what a lookup of an unknown hash reads as (never written)
+_SHORT_WALK = 200  # chains up to this long are matched by a plain loop (the iterators cost more to set up)
 
 
 class PrefixIndex:
@@ -119,12 +123,20 @@ class PrefixIndex:
         if len(holders) == 1:
             # The common case (one home per prefix) without per-step list building.
             only = holders[0]
-            while i < n:
-                entry = get(hashes[i])
-                if entry is None or entry.get(only, 0.0) <= now:
-                    break
-                touch(hashes[i])
-                i += 1
+            if n <= _SHORT_WALK:
+                while i < n:
+                    entry = get(hashes[i])
+                    if entry is None or entry.get(only, 0.0) <= now:
+                        break
+                    touch(hashes[i])
+                    i += 1
+                return {only.worker_id: i}, True
+            # The same walk by C iterators (a 100K-token prompt has thousands of chunks): the
+            # holder's expiry for each next hash (0.0 where it has none), taken while it is
+            # live, then those hashes made most recently used, in order.
+            expiries = map(dict.get, map(get, islice(hashes, 1, None), repeat(_NO_ENTRY)), repeat(only), repeat(0.0))
+            i += len(list(takewhile(partial(lt, now), expiries)))
+            deque(map(touch, islice(hashes, 1, i)), maxlen=0)  # consumed for its effect
             return {only.worker_id: i}, True
         while i < n:
             entry = get(hashes[i])

@@ -38,6 +38,7 @@ import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Mapping
 
 from protocol import LoadReport
 
@@ -117,6 +118,12 @@ class WorkerLoad:
     routable: bool = True
     cap: int = 0  # while > 0, at most this many of this router's requests at once (breaker half-open)
     transfer_tokens_per_s: float = 0.0  # its CPU KV tier's load rate, by its report (0: unknown)
+    # ``rate()``, the slot wait of ``pending_s`` and ``over_limit()`` as of the last change: the
+    # candidate set reads them for every candidate of every decision, and they change only when
+    # the board changes the worker (``LoadBoard._refresh``), not as time passes.
+    rate_now: float = 0.0
+    slot_wait_s: float = 0.0
+    over_limit_now: bool = False
 
     def rate(self) -> float:
         """Effective prefill tokens per second, decode pressure included."""
@@ -138,10 +145,13 @@ class WorkerLoad:
     def pending_s(self, now: float) -> float:
         """Seconds before a new request's prefill can start: prefill backlog + slot wait."""
         backlog = self.busy_until - now
+        return (backlog if backlog > 0.0 else 0.0) + self.slot_wait()
+
+    def slot_wait(self) -> float:
+        """Seconds a new request waits for a batch slot (0 while one is free)."""
         slots = self.slots()
         ahead = self.in_system + 1 - slots
-        wait = ahead * self.service_s / slots if ahead > 0 else 0.0
-        return (backlog if backlog > 0.0 else 0.0) + wait
+        return ahead * self.service_s / slots if ahead > 0 else 0.0
 
     def over_limit(self) -> bool:
         """True when the worker is at its hard in-flight limit (or at its trial cap)."""
@@ -175,6 +185,7 @@ class LoadBoard:
         w = WorkerLoad(worker_id, p.prefill_tokens_per_s, p.decode_step_s, p.max_num_batched_tokens,
                        seqs, block_size or p.block_size, self._limit(seqs), p.service_s)
         self._workers[worker_id] = w
+        self._refresh(w)
         self._push(w)
         return w
 
@@ -197,10 +208,15 @@ class LoadBoard:
         w = self._workers.get(worker_id)
         if w is not None:
             w.cap = max(0, cap)
+            self._refresh(w)
 
     def get(self, worker_id: str) -> WorkerLoad | None:
         """The worker's load record, if tracked."""
         return self._workers.get(worker_id)
+
+    def loads(self) -> Mapping[str, WorkerLoad]:
+        """Every tracked worker's load record by id (the board's own mapping: read, don't write)."""
+        return self._workers
 
     def __contains__(self, worker_id: object) -> bool:
         return worker_id in self._workers
@@ -234,7 +250,7 @@ class LoadBoard:
             if w is None or w.heap_version != item[1] or not w.routable:
                 continue  # stale entry: dropped for good
             popped.append(item)
-            if item[2] not in skip and not w.over_limit():
+            if item[2] not in skip and not w.over_limit_now:
                 out.append(item[2])
         for item in popped:
             heapq.heappush(heap, item)
@@ -343,6 +359,8 @@ class LoadBoard:
             w.finished_since_report += 1
             w.recent.append((now, ticket.sent_at, 0, True))
             self._recount(w)
+        elif w is not None:
+            self._refresh(w)  # its service time changed
 
     # -- internals ---------------------------------------------------------------------------
     def _rate_cap(self, now: float) -> float:
@@ -363,6 +381,14 @@ class LoadBoard:
         value = max(len(w.tickets), estimate)
         self.total_in_system += value - w.in_system
         w.in_system = value
+        self._refresh(w)
+
+    @staticmethod
+    def _refresh(w: WorkerLoad) -> None:
+        """Bring ``w``'s cached ``rate_now``, ``slot_wait_s`` and ``over_limit_now`` up to date (after any change)."""
+        w.rate_now = w.rate()
+        w.slot_wait_s = w.slot_wait()
+        w.over_limit_now = w.over_limit()
 
     def _push(self, w: WorkerLoad) -> None:
         w.heap_version = next(self._counter)

@@ -25,11 +25,12 @@ import xxhash
 from uhashring import HashRing
 
 DEFAULT_VNODES = 160
+_MASK64 = 0xFFFFFFFFFFFFFFFF
 
 
 def _ring_hash(key: object) -> int:
     if isinstance(key, int):
-        return key & 0xFFFFFFFFFFFFFFFF
+        return key & _MASK64
     return xxhash.xxh3_64_intdigest(str(key).encode("utf-8", "surrogatepass"))
 
 
@@ -92,7 +93,13 @@ class WorkerRing:
         if not self._members or count <= 0:
             return []
         count = min(count, len(self._members))
-        i = self._start(key)
+        if self._dirty:
+            self._rebuild()
+        # _start written out (every decision asks this)
+        points = self._points
+        i = bisect_right(points, key & _MASK64 if isinstance(key, int) else _ring_hash(key))
+        if i == len(points):
+            i = 0
         owners = self._owners
         n = len(owners)
         out = [owners[i]]

@@ -163,3 +163,26 @@ def test_a_hash_missing_in_the_middle_of_a_popular_chain_ends_every_match_there(
     assert not complete
     assert list(top.values()) == [1, 1]
     assert index.match(CHAIN, now=1.0) == {"w0": 1, "w1": 1, "w2": 1}
+
+
+
+def test_a_long_single_holder_chain_matches_and_refreshes_like_a_short_one():
+    # Chains longer than a couple of hundred hashes are walked by C iterators instead of a loop:
+    # the same match, and the same most-recently-used order (hence the same evictions).
+    for length in (50, 1000):
+        chain = list(range(1, length + 1))
+        held = length - 7
+        index = PrefixIndex(max_entries=length + 3, optimistic_ttl_s=10.0, confirmed_ttl_s=100.0)
+        index.insert([-1, -2, -3], "B", now=0.0, confirmed=True)
+        index.insert(chain[:held], "A", now=0.0, confirmed=True)
+        index.insert(chain[held:], "A", now=0.0, confirmed=False)
+        assert index.match(chain, now=5.0) == {"A": length}
+        assert index.match(chain, now=20.0) == {"A": held}  # the optimistic tail expired
+        # That match made chain[:held] the most recently used, in chain order: ten new entries
+        # evict B's three and the tail's seven, the next two chain[0] and chain[1].
+        index.insert(list(range(10_001, 10_011)), "C", now=20.0, confirmed=True)
+        assert index.match([-1, -2, -3], now=20.0) == {}
+        index.insert([10_011, 10_012], "C", now=20.0, confirmed=True)
+        assert index.match(chain, now=20.0) == {}
+        assert index.match(chain[1:], now=20.0) == {}
+        assert index.match(chain[2:], now=20.0) == {"A": held - 2}

@@ -1,6 +1,8 @@
 """LoadBoard: pending work = last report + what this router sent since, in seconds."""
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from protocol import LoadReport
@@ -160,3 +162,37 @@ def test_a_requests_slot_time_counts_from_the_start_of_its_prefill_not_its_wait_
     b.prefilled(t, now=5.0)              # it waited 4 s in the worker's queue
     b.finish(t, now=8.0)                 # held a slot from 4.0 to 8.0
     assert b.get("A").service_s == pytest.approx(2.0 + 0.2 * (4.0 - 2.0))
+
+
+def test_the_cached_load_of_each_worker_always_equals_its_definition():
+    # The candidate set reads rate_now / slot_wait_s / over_limit_now instead of calling rate(),
+    # slot_wait() and over_limit() on every decision: every change the board makes must refresh
+    # them, exactly (the same floats, or decisions would change).
+    rng = random.Random(7)
+    b = LoadBoard(PROFILE, max_inflight=6)
+    for w in "ABC":
+        b.add_worker(w)
+    tickets = []
+    now = 0.0
+    for _ in range(2000):
+        now += rng.random() * 0.05
+        w = rng.choice("ABC")
+        op = rng.randrange(6)
+        if op == 0:
+            report = LoadReport(w, running=rng.randrange(5), waiting=rng.randrange(3),
+                                queued_prefill_tokens=rng.randrange(5000), running_tokens=rng.randrange(40_000),
+                                capacity_tokens=rng.choice((0, 20_000, 60_000)),
+                                max_num_seqs=rng.choice((0, 2, 4)),
+                                prefill_tokens_per_s=rng.choice((0.0, 1500.0, 3000.0)), ts=now)
+            b.apply_report(report, now=now)
+        elif op in (1, 2):
+            tickets.append(b.dispatch(w, rng.randrange(1, 3000), now))
+        elif op == 3 and tickets:
+            b.prefilled(rng.choice(tickets), now)
+        elif op == 4 and tickets:
+            b.finish(tickets.pop(rng.randrange(len(tickets))), now)
+        elif op == 5:
+            b.set_cap(w, rng.choice((0, 1, 3)))
+        for load in (b.get(x) for x in "ABC"):
+            assert (load.rate_now, load.slot_wait_s, load.over_limit_now) == (
+                load.rate(), load.slot_wait(), load.over_limit())

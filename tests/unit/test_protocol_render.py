@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import xxhash
 
 from protocol import RenderError, chunk_hashes, namespace_seed, render_chat, render_completion
 
@@ -87,6 +88,28 @@ def test_chain_hash_names_the_whole_prefix():
     b = chunk_hashes(b"C" * 128 + b"B" * 128, 128, seed)
     assert a[1] != b[1]  # same second chunk, different history
     assert chunk_hashes(b"A" * 128 + b"B" * 100, 128, seed) == a[:1]  # partial chunk: no hash
+
+
+def test_chain_hashes_are_the_protocols_values():
+    # Router and workers must agree on these numbers forever: h_i = xxh3_64(chunk_i, seed=h_{i-1}).
+    data = bytes(range(256)) * 3
+    assert chunk_hashes(data, 128, 0x1234) == [
+        0x05DFB33F34078BA9, 0x4171092A57D9F426, 0xFB4BD017C181F519,
+        0xF9651D751F141B51, 0xE0009BE02A8D715B, 0x75642EBA8008A66D]
+
+
+def test_chain_hashes_match_the_definition_at_every_length_and_limit():
+    data = bytes((i * 7919) % 251 for i in range(3000))
+    for chunk_size in (1, 16, 128, 512):
+        for size in (0, chunk_size - 1, chunk_size, 3 * chunk_size + 5, len(data)):
+            for limit in (None, 0, 2, 10_000):
+                expected, h = [], 99
+                for i in range(size // chunk_size):
+                    h = xxhash.xxh3_64_intdigest(data[i * chunk_size:(i + 1) * chunk_size], seed=h)
+                    expected.append(h)
+                got = chunk_hashes(data[:size], chunk_size, 99, limit)
+                assert got == (expected if limit is None else expected[:limit])
+    assert chunk_hashes(memoryview(data), 128, 99) == chunk_hashes(data, 128, 99)
 
 
 def test_completion_token_ids_and_text():

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, AbstractSet, Mapping, Sequence
 
 from router.routing.policies.base import Policy, decision_for, register, under_limit
 from router.routing.policy import (NOT_ON_RING, Candidate, Decision, PolicyConfig, RouteRequest,
-                                   fair_share_wait_s, hash_load_bound, locality_weight, prefill_seconds)
+                                   hash_load_bound, locality_weight)
 
 if TYPE_CHECKING:
     from router.routing.balancer import Balancer
@@ -53,13 +53,17 @@ class CacheAware(Policy):
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate], config: PolicyConfig) -> Decision:
         """The candidate of least cost (see the module docstring); near-ties by ring order."""
-        usable = under_limit(candidates)
         bound = request.load_bound
         if bound > 0:
             # The spill allowance is a hard cap: past twice its fair share of requests in flight no
             # worker takes more, whatever its cache or its reported speed (a worker that lies about
-            # its load cannot take the fleet; bounded-load consistent hashing's guarantee).
-            usable = [c for c in usable if c.in_system < FAIR_SHARE_CAP * bound] or usable
+            # its load cannot take the fleet; bounded-load consistent hashing's guarantee). If
+            # every worker under its hard limit is past it, any of them.
+            spill_cap = FAIR_SHARE_CAP * bound
+            usable = ([c for c in candidates if not c.over_limit and c.in_system < spill_cap]
+                      or under_limit(candidates))
+        else:
+            usable = under_limit(candidates)
         affinity = config.affinity if request.affinity is None else request.affinity
         weight = locality_weight(affinity)
         shared_weight = min(weight, 1.0)
@@ -75,25 +79,39 @@ class CacheAware(Policy):
         second = 0
         if first > 0 and matched.count(first) == 1:
             owner = matched.index(first)
-            second = max((m for i, m in enumerate(matched) if i != owner), default=0)
+            second = max(matched[:owner] + matched[owner + 1:], default=0)
         follow_cache = weight == math.inf and owner >= 0
         costs: list[tuple[str, float]] = []
         pool: list[tuple[float, float, Candidate]] = []  # (cost, full prefill, candidate)
         best_cost = math.inf
         best_full = 0.0
+        # The hot loop of every decision: prefill_seconds and fair_share_wait_s written out (the
+        # same expressions, so the same floats; every new-token count here is >= 1).
+        half_prompt = prompt * 0.5
         for i, c in enumerate(usable):
             rate = c.tokens_per_s
-            full = prefill_seconds(prompt, 0, rate, knee)
+            full = prompt / rate * (1.0 + half_prompt / knee)
             cached = matched[i]
             # A CPU-tier part of the hit costs its transfer (c.transfer_s, see tier_credit).
-            actual = prefill_seconds(prompt - cached, cached, rate, knee) + c.transfer_s if cached > 0 else full
-            cost = c.pending_s + c.adapter_s + fair_share_wait_s(c.in_system, c.service_s, bound)
+            if cached > 0:
+                new = prompt - cached
+                actual = new / rate * (1.0 + (cached + new * 0.5) / knee) + c.transfer_s
+            else:
+                actual = full
+            cost = c.pending_s + c.adapter_s
+            ahead = c.in_system + 1 - bound
+            if bound > 0 and ahead > 0:
+                cost += ahead * c.service_s / bound
             if i != owner:
                 cost += full - shared_weight * (full - actual)
             elif follow_cache:
                 cost += actual
             else:
-                common = prefill_seconds(prompt - second, second, rate, knee) if second > 0 else full
+                if second > 0:
+                    new = prompt - second
+                    common = new / rate * (1.0 + (second + new * 0.5) / knee)
+                else:
+                    common = full
                 cost += full - shared_weight * (full - common) - weight * (common - actual)
             costs.append((c.worker_id, cost))
             if follow_cache and i != owner:
@@ -104,6 +122,7 @@ class CacheAware(Policy):
         tolerance = config.tie_floor_s + config.tie_tolerance * max(abs(best_cost), best_full)
         limit = best_cost + tolerance
         chosen: Candidate | None = None
+        chosen_key: tuple[bool, int, float, str] = (True, 0, 0.0, "")
         chosen_cost = 0.0
         near = 0
         for cost, _, c in pool:
@@ -113,11 +132,9 @@ class CacheAware(Policy):
             # One whose hit needs no transfer from a CPU tier first (the GPU copy is there already,
             # and the link stays free); then earliest on the key's ring; off the ring, the lowest
             # cost, then the worker id.
-            if chosen is None or (c.transfer_s > 0, c.ring_rank, cost if c.ring_rank == NOT_ON_RING else 0.0,
-                                  c.worker_id) < (
-                    chosen.transfer_s > 0, chosen.ring_rank,
-                    chosen_cost if chosen.ring_rank == NOT_ON_RING else 0.0, chosen.worker_id):
-                chosen, chosen_cost = c, cost
+            key = (c.transfer_s > 0, c.ring_rank, cost if c.ring_rank == NOT_ON_RING else 0.0, c.worker_id)
+            if chosen is None or key < chosen_key:
+                chosen, chosen_key, chosen_cost = c, key, cost
         assert chosen is not None
         # The ring decided if it broke a tie, or if the request simply went to the key's owner.
         by_ring = chosen.ring_rank != NOT_ON_RING and (near > 1 or chosen.ring_rank == 0)
