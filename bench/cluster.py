@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from bench.peers.launch import peer_env, start_peer
+from bench.peers.launch import DEFAULT_VENV, peer_env, start_peer
 from protocol.loopback import free_port, wait_http_ok
 
 
@@ -163,12 +163,13 @@ class Cluster:
         proc.wait_ready("/health", timeout)
         return proc
 
-    def peer(self, name: str, policy: str, workers: Sequence[Process], timeout: float = 60.0) -> Process:
-        """Start a peer router (sglang-router / vllm-router) in front of ``workers``."""
+    def peer(self, name: str, policy: str, workers: Sequence[Process], timeout: float = 60.0,
+             venv: Path = DEFAULT_VENV) -> Process:
+        """Start a peer router (sglang-router / vllm-router, from ``venv``) in front of ``workers``."""
         port, metrics = free_port(), free_port()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_dir / f"{name}-{policy}.log"
-        popen = start_peer(name, port, policy, [w.url for w in workers], metrics, log)
+        popen = start_peer(name, port, policy, [w.url for w in workers], metrics, log, venv)
         proc = Process(f"{name}-{policy}", popen, log, f"http://127.0.0.1:{port}")
         self.procs.append(proc)
         proc.wait_ready("/v1/models", timeout)
