@@ -223,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="--peers: sequential requests per target and round (closed loop: 20x)")
     parser.add_argument("--policy", default="cache_aware", help="--peers: every router's policy")
     parser.add_argument("--peers-venv", type=Path, default=DEFAULT_VENV, help="--peers: where install.sh put them")
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="--peers: another checkout of prefixlb (e.g. `git archive <commit> | tar -x -C /tmp/base`) "
+                             "whose router runs too, as prefixlb@baseline: before / after in one run")
     parser.add_argument("--serve-bare-proxy", nargs=2, metavar=("PORT", "UPSTREAM"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_bare_proxy:
@@ -269,7 +272,8 @@ def _peers(args: argparse.Namespace) -> int:
         raise SystemExit(f"--routers: unknown {', '.join(sorted(unknown))} (known: {', '.join(ROUTERS)})")
     n_seq = args.requests or (50 if args.quick else 150)
     result = peers_overhead(routers, workers=args.workers, rounds=args.rounds, n_seq=n_seq, n_load=20 * n_seq,
-                            concurrency=args.concurrency, policy=args.policy, venv=args.peers_venv)
+                            concurrency=args.concurrency, policy=args.policy, venv=args.peers_venv,
+                            baseline=args.baseline)
     print(peers_report(result))
     if args.json:
         print(json.dumps(result, indent=2))

@@ -126,13 +126,15 @@ async def closed_loop(target: Target, n: int, concurrency: int) -> None:
     target.req_per_s.append(n / elapsed)
 
 
-def start(c: Cluster, routers: Sequence[str], workers: int, policy: str, venv: Path) -> list[Target]:
-    """The workers, then each router in front of them; [direct, *routers] as targets."""
+def start(c: Cluster, routers: Sequence[str], workers: int, policy: str, venv: Path,
+          baseline: Path | None = None) -> list[Target]:
+    """The workers, then each router in front of them; [direct, *routers] as targets
+    (``baseline``: a checkout of prefixlb whose router runs too, as ``prefixlb@baseline``)."""
     fleet = c.workers(workers, time_scale=1000)
     targets = [Target("direct", [w.url for w in fleet])]
-    for name in routers:
-        if name == "prefixlb":
-            proc = c.router(fleet, policy)
+    for name in [*routers, *(["prefixlb@baseline"] if baseline else [])]:
+        if name.startswith("prefixlb"):
+            proc = c.router(fleet, policy, source=baseline if name == "prefixlb@baseline" else None)
             wait_http_ok(proc.url + "/health", 30, accept=lambda b: json.loads(b)["routable_workers"] == workers)
         else:
             proc = c.peer(name, policy, fleet, venv=venv)
@@ -142,10 +144,10 @@ def start(c: Cluster, routers: Sequence[str], workers: int, policy: str, venv: P
 
 def measure(routers: Sequence[str] = ROUTERS, workers: int = 4, rounds: int = 3, n_seq: int = 150,
             n_load: int = 3000, concurrency: int = 32, policy: str = "cache_aware",
-            venv: Path = DEFAULT_VENV) -> dict:
+            venv: Path = DEFAULT_VENV, baseline: Path | None = None) -> dict:
     """Run the rounds; per target: latencies, added latency, CPU per request, req/s."""
     with tempfile.TemporaryDirectory(prefix="router-overhead-") as logs, cluster(logs) as c:
-        targets = start(c, routers, workers, policy, venv)
+        targets = start(c, routers, workers, policy, venv, baseline)
         for r in range(rounds):
             order = targets[r % len(targets):] + targets[:r % len(targets)]
             asyncio.run(sequential(order, n_seq, stream=False, warmup=10 if r == 0 else 0))
@@ -191,9 +193,10 @@ def report(result: dict) -> str:
         lines.append(f"| {name} | {r['cpu_us_per_request']:.0f} | {r['req_per_s']:.0f} | {r['unloaded_p50_ms']:.2f} "
                      f"(+{r['added_p50_ms']:.2f}) | +{r['added_p90_ms']:.2f} | {r['first_chunk_p50_ms']:.2f} "
                      f"(+{r['first_chunk_added_p50_ms']:.2f}, {r['first_chunk_vs_direct']:.2f}x) |")
-    if "prefixlb" in rows and "sglang-router" in rows:
-        p, s = rows["prefixlb"], rows["sglang-router"]
-        lines.append(f"prefixlb / sglang-router: CPU per request {p['cpu_us_per_request'] / s['cpu_us_per_request']:.2f}x, "
-                     f"added p50 {p['added_p50_ms']:.2f} vs {s['added_p50_ms']:.2f} ms, "
-                     f"req/s {p['req_per_s'] / s['req_per_s']:.2f}x")
+    for other in ("sglang-router", "prefixlb@baseline"):
+        if "prefixlb" in rows and other in rows:
+            p, s = rows["prefixlb"], rows[other]
+            lines.append(f"prefixlb / {other}: CPU per request {p['cpu_us_per_request'] / s['cpu_us_per_request']:.2f}x, "
+                         f"added p50 {p['added_p50_ms']:.2f} vs {s['added_p50_ms']:.2f} ms, "
+                         f"req/s {p['req_per_s'] / s['req_per_s']:.2f}x")
     return "\n".join(lines)

@@ -33,10 +33,11 @@ def _assert_measured(row: dict) -> None:
     assert row["unloaded_p50_ms"] > 0 and row["first_chunk_p50_ms"] > 0
 
 
-def test_peers_mode_measures_prefixlb_against_the_workers_directly():
-    result = _run("--routers", "prefixlb")
+def test_peers_mode_measures_prefixlb_and_a_baseline_checkout_against_the_workers_directly():
+    result = _run("--routers", "prefixlb", "--baseline", str(ROOT))
 
-    assert set(result["targets"]) == {"direct", "prefixlb"}
+    assert list(result["targets"]) == ["direct", "prefixlb", "prefixlb@baseline"]
+    _assert_measured(result["targets"]["prefixlb@baseline"])
     direct, prefixlb = result["targets"]["direct"], result["targets"]["prefixlb"]
     _assert_measured(prefixlb)
     assert prefixlb["cpu_us_per_request"] > 0  # 200 requests: tens of ms of CPU
