@@ -133,8 +133,9 @@ async def read_limited_body(content_length: int | None, content: BodyStream, lim
             buf.structure_checked = True
 
     try:
-        await asyncio.wait_for(_read(), timeout)
-    except asyncio.TimeoutError:
+        async with asyncio.timeout(timeout):  # not wait_for: no task of its own for every request
+            await _read()
+    except TimeoutError:
         raise OpenAIError(408, f"Request body not received within {timeout:g} s", code="timeout") from None
     finally:
         books.held -= held

@@ -320,7 +320,8 @@ class Proxy:
     async def _send(self, url: str, preq: ProxyRequest) -> tuple[aiohttp.ClientResponse, bytes]:
         """POST to the worker; then its first bytes (streaming 200) or its whole body (otherwise)."""
         try:
-            upstream = await self.connections.session.post(url + preq.path, data=preq.body, headers=preq.headers)
+            upstream = await self.connections.session.post(self.connections.url(url, preq.path), data=preq.body,
+                                                             headers=preq.headers)
         except asyncio.TimeoutError as exc:
             raise _Failed("timeout", "timed out connecting") from exc
         except (aiohttp.ClientError, OSError) as exc:
