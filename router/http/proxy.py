@@ -28,7 +28,7 @@ one breaker delay, not ``--read-timeout``.
 worker saying it is draining) count towards the worker's breaker, successes reset it.
 
 Streaming is passed through event by event (``router/http/sse.py``), never buffered; TCP_NODELAY is
-on (aiohttp sets it on every transport). A client that disconnects cancels the handler (the
+on (aiohttp sets it on the client's side, ``router/fleet/upstream.py`` on the workers' side). A client that disconnects cancels the handler (the
 server runs with handler cancellation), and closing the upstream response drops that
 connection, which aborts the request on the worker. Connections to workers are pooled.
 """
@@ -320,8 +320,7 @@ class Proxy:
     async def _send(self, url: str, preq: ProxyRequest) -> tuple[aiohttp.ClientResponse, bytes]:
         """POST to the worker; then its first bytes (streaming 200) or its whole body (otherwise)."""
         try:
-            upstream = await self.connections.session.post(self.connections.url(url, preq.path), data=preq.body,
-                                                             headers=preq.headers)
+            upstream = await self.connections.post(url, preq.path, preq.body, preq.headers)
         except asyncio.TimeoutError as exc:
             raise _Failed("timeout", "timed out connecting") from exc
         except (aiohttp.ClientError, OSError) as exc:
