@@ -40,7 +40,8 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 class BodyStream(Protocol):
-    """What a request body is read from (aiohttp's ``StreamReader``)."""
+    """What a request body is read from (aiohttp's ``StreamReader``; its ``is_eof`` and
+    ``read_nowait``, when it has them, let a body that arrived whole be taken at once)."""
 
     def iter_chunked(self, n: int) -> AsyncIterator[bytes]: ...
 
@@ -100,6 +101,11 @@ async def read_limited_body(content_length: int | None, content: BodyStream, lim
         raise body_too_large(limit)
     books = BodyBytes.for_loop(limit)
     check = StructureCheck(limits, content_length) if limits is not None else None
+    is_eof = getattr(content, "is_eof", None)
+    if is_eof is not None and is_eof():
+        # All of it arrived already (a small body comes with the headers): the same checks,
+        # without a deadline, an iterator and a closure for every request.
+        return _whole_body(content.read_nowait(-1), limit, books, check)  # type: ignore[attr-defined]
     buf = Body()
     # The first BUFFER_FROM bytes are kept as the chunks they arrived in (no copy: a hostile body
     # is refused within them holding nothing else); a body that goes on is moved into ``buf``.
@@ -139,6 +145,21 @@ async def read_limited_body(content_length: int | None, content: BodyStream, lim
         raise OpenAIError(408, f"Request body not received within {timeout:g} s", code="timeout") from None
     finally:
         books.held -= held
+    return buf
+
+
+def _whole_body(data: bytes, limit: int, books: BodyBytes, check: "StructureCheck | None") -> Body:
+    """:func:`read_limited_body` of a body received whole: over ``limit`` a 413, over the bytes
+    being received together a 503, over the structure limits a 400 (before it is copied)."""
+    if len(data) > limit:
+        raise body_too_large(limit)
+    if books.held + len(data) > books.cap:
+        raise _server_busy(books.cap)
+    if check is not None:
+        check.feed(data)
+        check.finish()
+    buf = Body(data)
+    buf.structure_checked = check is not None
     return buf
 
 

@@ -173,3 +173,36 @@ def test_the_bytes_being_received_together_are_capped_with_a_503_and_given_back(
         assert len(body) == 59_998 and books.held == 0
 
     asyncio.run(main())
+
+
+class _Arrived:
+    """A body that arrived whole before the handler reads it (aiohttp's StreamReader at EOF)."""
+
+    def __init__(self, raw: bytes) -> None:
+        self.raw = raw
+
+    def is_eof(self) -> bool:
+        return True
+
+    def read_nowait(self, n: int = -1) -> bytes:
+        data, self.raw = self.raw, b""
+        return data
+
+    async def iter_chunked(self, n: int):
+        pytest.fail("a body that arrived whole is taken at once, not iterated")
+        yield b""
+
+
+def test_a_body_that_arrived_whole_gets_the_same_checks_at_once():
+    value = {"model": "m", "prompt": "[1, 2]" * 100}
+    raw = json.dumps(value).encode()
+    body = asyncio.run(read_limited_body(len(raw), _Arrived(raw), 1 << 24, 30.0, RequestLimits()))
+    assert body.structure_checked and bytes(body) == raw and parse_json_body(body) == value
+
+    with pytest.raises(OpenAIError) as too_large:  # chunked: no length declared, over the limit
+        asyncio.run(read_limited_body(None, _Arrived(raw), len(raw) - 1, 30.0, RequestLimits()))
+    assert too_large.value.status == 413
+    with pytest.raises(OpenAIError) as too_deep:
+        deep = b"[" * 40 + b"]" * 40
+        asyncio.run(read_limited_body(len(deep), _Arrived(deep), 1 << 24, 30.0, RequestLimits(max_depth=32)))
+    assert too_deep.value.status == 400
