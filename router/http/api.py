@@ -12,6 +12,7 @@ are ``protocol/api_keys.py``'s (see :func:`middlewares`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import math
@@ -99,7 +100,7 @@ def with_include_usage(raw: bytes, body: dict) -> bytes:
 async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
     ctx = request.app[CONTEXT]
     cfg = ctx.config
-    limits = RequestLimits(max_body_bytes=cfg.max_body_bytes)
+    limits = _limits(cfg.max_body_bytes)
     raw = await read_body(request, cfg.max_body_bytes, cfg.body_timeout, limits)
     parsed = await decode_off_loop(raw, parse_request, chat, limits)
     # The client's request id, or one made here: returned, passed to the worker, in the access log.
@@ -118,18 +119,27 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
     if served and parsed.model not in served:
         raise model_not_found(parsed.model, [*served, *ctx.virtual_models])
     return await forward(request, raw, parsed.body, chat, stream=parsed.stream, include_usage=parsed.include_usage,
-                         request_id=request_id)
+                         request_id=request_id, served=served)
+
+
+@functools.lru_cache(maxsize=8)
+def _limits(max_body_bytes: int) -> RequestLimits:
+    """The request limits of a body limit (one object, not one per request)."""
+    return RequestLimits(max_body_bytes=max_body_bytes)
 
 
 async def forward(request: web.Request, raw: bytes, body: dict, chat: bool, *, stream: bool, include_usage: bool,
-                  request_id: str, response_headers: Mapping[str, str] | None = None) -> web.StreamResponse:
+                  request_id: str, response_headers: Mapping[str, str] | None = None,
+                  served: Sequence[str] | None = None) -> web.StreamResponse:
     """Route one validated request (``raw`` is ``body`` as the worker gets it) to a worker of its
-    model through the cache-aware proxy, answer with its response, log it and record its usage."""
+    model through the cache-aware proxy, answer with its response, log it and record its usage
+    (``served``: the models the workers serve, when the caller has them already)."""
     ctx = request.app[CONTEXT]
     cfg = ctx.config
     path = "/v1/chat/completions" if chat else "/v1/completions"
     model = body.get("model") if isinstance(body.get("model"), str) else ""
-    served = ctx.registry.models()
+    if served is None:
+        served = ctx.registry.models()
     session = session_key_of(request.headers, body, cfg.session_headers, cfg.session_fields)
     try:
         prompt = prompt_key(body, chat, cfg.chunk_size, cfg.ring_key_chunks, session)

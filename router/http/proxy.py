@@ -347,7 +347,12 @@ class Proxy:
 
     def _headers(self, booking: BookedAttempt, upstream: aiohttp.ClientResponse,
                  request_id: str = "", extra: Mapping[str, str] | None = None) -> dict[str, str]:
-        headers = {name: upstream.headers[name] for name in PASS_BACK if name in upstream.headers}
+        given = upstream.headers
+        headers = {}
+        for name in PASS_BACK:
+            value = given.get(name)
+            if value is not None:
+                headers[name] = value
         headers.update(extra or {})
         if request_id:
             headers["X-Request-Id"] = request_id
