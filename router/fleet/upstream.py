@@ -43,8 +43,8 @@ LOW_WATER = 64 * 1024
 MAX_HEAD_BYTES = 64 * 1024  # status line and headers together
 MAX_HEADERS = 128
 MAX_CHUNK_LINE = 4096  # a chunk-size line, extensions included
-_STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([1-9]\d\d)(?: [^\r\n]*)?")
-_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_STATUS_LINE = re.compile(r"HTTP/1\.([01]) ([1-9][0-9][0-9])(?: [^\r\n]*)?")
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_CRLF, _TRAILERS, _UNTIL_EOF, _DONE = range(8)
 
 
@@ -217,7 +217,7 @@ class UpstreamResponse:
             del buf[:pos]
 
     def _head(self, head: bytes) -> None:
-        lines = head.split(b"\r\n")
+        lines = head.decode("utf-8", "surrogateescape").split("\r\n")
         status = _STATUS_LINE.fullmatch(lines[0])
         if status is None:
             raise UpstreamProtocolError(f"invalid status line {lines[0][:64]!r}")
@@ -227,15 +227,16 @@ class UpstreamResponse:
         if 100 <= code < 200:  # an interim answer (100 Continue, 103): the real one follows
             return
         headers: CIMultiDict[str] = CIMultiDict()
+        token = _TOKEN.fullmatch
         for line in lines[1:]:
-            name, sep, value = line.partition(b":")
-            if not sep or _TOKEN.fullmatch(name) is None:
+            name, sep, value = line.partition(":")
+            if not sep or token(name) is None:
                 raise UpstreamProtocolError(f"invalid header line {line[:64]!r}")
-            headers.add(name.decode("ascii"), value.strip(b" \t").decode("utf-8", "surrogateescape"))
+            headers.add(name, value.strip(" \t"))
         self.status = code
         self.headers = CIMultiDictProxy(headers)
         connection = headers.get("Connection", "").lower()
-        if status.group(1) == b"0":
+        if status.group(1) == "0":
             self._keep_alive = "keep-alive" in connection
         elif "close" in connection:
             self._keep_alive = False
