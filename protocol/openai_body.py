@@ -49,6 +49,7 @@ class BodyStream(Protocol):
 # Per event loop: the bytes of request bodies being received right now (BodyBytes).
 _RECEIVING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 RECEIVING_BYTES_FLOOR = 256 * 1024 * 1024
+_LAST_RECEIVING: list = [None]  # (weak reference to the loop, its BodyBytes) last looked up
 
 
 class BodyBytes:
@@ -66,9 +67,13 @@ class BodyBytes:
     @staticmethod
     def for_loop(limit: int) -> "BodyBytes":
         loop = asyncio.get_running_loop()
+        last = _LAST_RECEIVING[0]
+        if last is not None and last[0]() is loop:  # the usual case: one loop (no weak-dict lookup)
+            return last[1]
         books = _RECEIVING.get(loop)
         if books is None:
             books = _RECEIVING[loop] = BodyBytes(max(RECEIVING_BYTES_FLOOR, 4 * limit))
+        _LAST_RECEIVING[0] = (weakref.ref(loop), books)
         return books
 
 
