@@ -191,8 +191,8 @@ def report(result: dict) -> str:
                          f"{r['first_chunk_p50_ms']:.2f} |")
             continue
         lines.append(f"| {name} | {r['cpu_us_per_request']:.0f} | {r['req_per_s']:.0f} | {r['unloaded_p50_ms']:.2f} "
-                     f"(+{r['added_p50_ms']:.2f}) | +{r['added_p90_ms']:.2f} | {r['first_chunk_p50_ms']:.2f} "
-                     f"(+{r['first_chunk_added_p50_ms']:.2f}, {r['first_chunk_vs_direct']:.2f}x) |")
+                     f"({r['added_p50_ms']:+.2f}) | {r['added_p90_ms']:+.2f} | {r['first_chunk_p50_ms']:.2f} "
+                     f"({r['first_chunk_added_p50_ms']:+.2f}, {r['first_chunk_vs_direct']:.2f}x) |")
     for other in ("sglang-router", "prefixlb@baseline"):
         if "prefixlb" in rows and other in rows:
             p, s = rows["prefixlb"], rows[other]
