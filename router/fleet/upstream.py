@@ -45,6 +45,7 @@ MAX_HEADERS = 128
 MAX_CHUNK_LINE = 4096  # a chunk-size line, extensions included
 _STATUS_LINE = re.compile(r"HTTP/1\.([01]) ([1-9][0-9][0-9])(?: [^\r\n]*)?")
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_NO_HEADERS: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())  # until the answer's are in
 _HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_CRLF, _TRAILERS, _UNTIL_EOF, _DONE = range(8)
 
 
@@ -104,7 +105,7 @@ class UpstreamResponse:
 
     def __init__(self, conn: _Connection, pool: "UpstreamPool", key: tuple, read_timeout: float | None) -> None:
         self.status = 0
-        self.headers: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())
+        self.headers: CIMultiDictProxy[str] = _NO_HEADERS
         self._conn = conn
         self._pool = pool
         self._key = key
@@ -413,7 +414,9 @@ class UpstreamPool:
         try:
             head = [b"POST ", (prefix + path).encode("ascii"), b" HTTP/1.1\r\n", host]
             for name, value in headers.items():
-                head.append(f"{name}: {value}\r\n".encode("latin-1"))
+                if "\n" in value or "\r" in value or "\n" in name or "\r" in name:
+                    raise ValueError(f"a newline in header {name!r} (as aiohttp refuses it)")
+                head.append(f"{name}: {value}\r\n".encode("utf-8"))  # as aiohttp encodes them
             head.append(b"Content-Length: %d\r\n\r\n" % len(body))
             transport = conn.transport
             assert transport is not None

@@ -205,3 +205,11 @@ async def test_idle_connections_past_the_keepalive_are_closed_and_their_worker_f
         assert pool._idle == {}
         assert (await _body(pool, url))[2] == b"{}"
     assert scripted.connections == 2
+
+
+async def test_a_header_with_a_newline_is_refused_before_anything_is_sent():
+    scripted = Scripted([b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}"])
+    async with scripted as url:
+        with pytest.raises(ValueError):
+            await UpstreamPool(1.0, 5.0).post(url, "/v1/completions", b"{}", {"X-Evil": "a\r\nX-Injected: 1"})
+    assert scripted.requests == []
