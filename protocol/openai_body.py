@@ -161,11 +161,22 @@ def _whole_body(data: bytes, limit: int, books: BodyBytes, check: "StructureChec
     if books.held + len(data) > books.cap:
         raise _server_busy(books.cap)
     if check is not None:
-        check.feed(data)
-        check.finish()
+        budget = min(check.max_budget, check.limits.node_budget(len(data)))
+        if not within_by_counts(data, check.limits.max_depth, budget):
+            check.feed(data)
+            check.finish()
     buf = Body(data)
     buf.structure_checked = check is not None
     return buf
+
+
+def within_by_counts(data: bytes | bytearray, max_depth: int, budget: int) -> bool:
+    """True when ``data`` provably holds at most ``budget`` JSON values and keys and nests at
+    most ``max_depth`` deep, from four byte counts (strings included, so an overestimate of
+    what :class:`StructureCheck` counts: it finds a body within these bounds within its limits
+    too, valid JSON or not). Most requests are: their exact check is then skipped."""
+    opens = data.count(b"[") + data.count(b"{")
+    return opens <= max_depth and 1 + opens + data.count(b":") + data.count(b",") <= budget
 
 
 @dataclass(frozen=True, slots=True)
