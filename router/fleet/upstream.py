@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import errno
 import re
 import socket
 import time
@@ -373,6 +374,19 @@ class UpstreamResponse:
         self._conn.close()
 
 
+def _refused_everywhere(exc: OSError) -> ConnectionRefusedError | None:
+    """A ``ConnectionRefusedError`` when ``exc`` is asyncio's "Multiple exceptions" of a host with
+    several addresses, every one of which refused (aiohttp reported that as refused too: the
+    breaker opens at once when nothing listens); else None."""
+    text = str(exc)
+    if isinstance(exc, ConnectionRefusedError) or not text.startswith("Multiple exceptions: "):
+        return None
+    errors = text.count("[Errno ")
+    if errors and text.count(f"[Errno {errno.ECONNREFUSED}]") == errors:
+        return ConnectionRefusedError(errno.ECONNREFUSED, text)
+    return None
+
+
 class UpstreamPool:
     """Keep-alive connections to workers by (host, port), kept ``keepalive_s`` seconds idle."""
 
@@ -441,8 +455,11 @@ class UpstreamPool:
                     return conn
                 conn.close()
         loop = asyncio.get_running_loop()
-        async with asyncio.timeout(self.connect_timeout):
-            _, conn = await loop.create_connection(_Connection, key[0], key[1])
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                _, conn = await loop.create_connection(_Connection, key[0], key[1])
+        except OSError as exc:
+            raise _refused_everywhere(exc) or exc
         return conn
 
     def _put(self, key: tuple, conn: _Connection) -> None:

@@ -213,3 +213,27 @@ async def test_a_header_with_a_newline_is_refused_before_anything_is_sent():
         with pytest.raises(ValueError):
             await UpstreamPool(1.0, 5.0).post(url, "/v1/completions", b"{}", {"X-Evil": "a\r\nX-Injected: 1"})
     assert scripted.requests == []
+
+
+async def test_a_host_whose_every_address_refuses_is_refused(monkeypatch):
+    # asyncio folds one refusal per address of a name (localhost: ::1 and 127.0.0.1) into an
+    # OSError("Multiple exceptions: ..."); the breaker must still see a refused connection
+    loop = asyncio.get_running_loop()
+
+    async def every_address_refuses(*args, **kwargs):
+        raise OSError("Multiple exceptions: [Errno 111] Connect call failed ('::1', 9, 0, 0), "
+                      "[Errno 111] Connect call failed ('127.0.0.1', 9)")
+
+    monkeypatch.setattr(loop, "create_connection", every_address_refuses)
+    with pytest.raises(ConnectionRefusedError) as info:
+        await UpstreamPool(1.0, 1.0).post("http://localhost:9", "/v1/completions", b"{}", {})
+    assert refused(info.value)
+
+    async def one_address_times_out(*args, **kwargs):
+        raise OSError("Multiple exceptions: [Errno 111] Connect call failed ('::1', 9, 0, 0), "
+                      "[Errno 113] No route to host")
+
+    monkeypatch.setattr(loop, "create_connection", one_address_times_out)
+    with pytest.raises(OSError) as other:
+        await UpstreamPool(1.0, 1.0).post("http://localhost:9", "/v1/completions", b"{}", {})
+    assert not refused(other.value)
