@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from bench.peers.launch import peer_env, start_peer
+from bench.peers.launch import DEFAULT_VENV, peer_env, start_peer
 from protocol.loopback import free_port, wait_http_ok
 
 
@@ -117,11 +117,12 @@ class Cluster:
     log_dir: Path
     procs: list[Process] = field(default_factory=list)
 
-    def _start(self, name: str, cmd: list[str], port: int, env: dict[str, str] | None = None) -> Process:
+    def _start(self, name: str, cmd: list[str], port: int, env: dict[str, str] | None = None,
+               cwd: Path | None = None) -> Process:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_dir / f"{name}.log"
         fh = open(log, "wb")
-        popen = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
+        popen = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd,
                                  env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         proc = Process(name, popen, log, f"http://127.0.0.1:{port}")
         self.procs.append(proc)
@@ -148,8 +149,9 @@ class Cluster:
 
     def router(self, workers: Sequence[Process], policy: str, affinity: float | None = None,
                redis: str | None = None, redis_prefix: str | None = None, extra: Sequence[str] = (),
-               timeout: float = 60.0) -> Process:
-        """Start ``prefixlb router`` in front of ``workers``."""
+               timeout: float = 60.0, source: Path | None = None) -> Process:
+        """Start ``prefixlb router`` in front of ``workers`` (``source``: the code of another
+        checkout of prefixlb, e.g. an older commit's, instead of this one's)."""
         port = free_port()
         cmd = [sys.executable, "-m", "prefixlb", "router", "--host", "127.0.0.1", "--port", str(port),
                "--policy", policy, "--log-level", "warning", *extra]
@@ -159,16 +161,18 @@ class Cluster:
             cmd += ["--affinity", str(affinity)]
         if redis:
             cmd += ["--redis", redis, "--redis-prefix", redis_prefix or "prefixlb:"]
-        proc = self._start(f"router-{policy}", cmd, port)
+        proc = self._start(f"router-{policy}" + (f"-{Path(source).name}" if source else ""), cmd, port,
+                           cwd=source)
         proc.wait_ready("/health", timeout)
         return proc
 
-    def peer(self, name: str, policy: str, workers: Sequence[Process], timeout: float = 60.0) -> Process:
-        """Start a peer router (sglang-router / vllm-router) in front of ``workers``."""
+    def peer(self, name: str, policy: str, workers: Sequence[Process], timeout: float = 60.0,
+             venv: Path = DEFAULT_VENV) -> Process:
+        """Start a peer router (sglang-router / vllm-router, from ``venv``) in front of ``workers``."""
         port, metrics = free_port(), free_port()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_dir / f"{name}-{policy}.log"
-        popen = start_peer(name, port, policy, [w.url for w in workers], metrics, log)
+        popen = start_peer(name, port, policy, [w.url for w in workers], metrics, log, venv)
         proc = Process(f"{name}-{policy}", popen, log, f"http://127.0.0.1:{port}")
         self.procs.append(proc)
         proc.wait_ready("/v1/models", timeout)

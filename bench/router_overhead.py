@@ -2,6 +2,10 @@
 
     python -m bench.router_overhead                # about a minute
     python -m bench.router_overhead --quick
+    python -m bench.router_overhead --peers        # beside sglang-router and vllm-router, 4 workers
+
+``--peers`` is ``bench/peers/overhead.py``: prefixlb, sglang-router 0.3.2 and vllm-router 0.1.17
+in front of the same simulated workers, interleaved rounds; what follows is the default mode.
 
 One simulated worker (``prefixlb worker --simulate --time-scale 1000``: the same HTTP server,
 near-zero model time, so the HTTP and routing costs dominate) and one router in front of it
@@ -34,11 +38,16 @@ import sys
 import time
 import contextlib
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterator
 
 import aiohttp
 from aiohttp import web
 
+from bench.peers.launch import DEFAULT_VENV
+from bench.peers.overhead import ROUTERS
+from bench.peers.overhead import measure as peers_overhead
+from bench.peers.overhead import report as peers_report
 from bench.stats import percentile
 from protocol.loopback import free_port, wait_http_ok
 
@@ -205,12 +214,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the results as JSON too")
     parser.add_argument("--event-loop", choices=("auto", "uvloop", "asyncio"), default="auto",
                         help="the servers' event loop (PREFIXLB_EVENT_LOOP; auto: uvloop when installed)")
+    parser.add_argument("--peers", action="store_true",
+                        help="prefixlb beside sglang-router and vllm-router in front of --workers simulated workers")
+    parser.add_argument("--routers", default=",".join(ROUTERS), help="--peers: which routers (comma-separated)")
+    parser.add_argument("--workers", type=int, default=4, help="--peers: simulated workers")
+    parser.add_argument("--rounds", type=int, default=3, help="--peers: interleaved rounds")
+    parser.add_argument("--requests", type=int, default=None,
+                        help="--peers: sequential requests per target and round (closed loop: 20x)")
+    parser.add_argument("--policy", default="cache_aware", help="--peers: every router's policy")
+    parser.add_argument("--peers-venv", type=Path, default=DEFAULT_VENV, help="--peers: where install.sh put them")
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="--peers: another checkout of prefixlb (e.g. `git archive <commit> | tar -x -C /tmp/base`) "
+                             "whose router runs too, as prefixlb@baseline: before / after in one run")
     parser.add_argument("--serve-bare-proxy", nargs=2, metavar=("PORT", "UPSTREAM"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_bare_proxy:
         serve_bare_proxy(int(args.serve_bare_proxy[0]), args.serve_bare_proxy[1])
         return 0
     os.environ["PREFIXLB_EVENT_LOOP"] = args.event_loop  # inherited by worker, router and bare proxy
+    if args.peers:
+        return _peers(args)
     n_seq = 100 if args.quick else 400
     n_load = 600 if args.quick else 3000
     results = {}
@@ -239,6 +262,21 @@ def main(argv: list[str] | None = None) -> int:
           f"CPU per request {router['concurrency']['router_cpu_us_per_request'] / bare['concurrency']['router_cpu_us_per_request']:.2f}x")
     if args.json:
         print(json.dumps(results, indent=2))
+    return 0
+
+
+def _peers(args: argparse.Namespace) -> int:
+    routers = [r for r in args.routers.split(",") if r]
+    unknown = set(routers) - set(ROUTERS)
+    if unknown:
+        raise SystemExit(f"--routers: unknown {', '.join(sorted(unknown))} (known: {', '.join(ROUTERS)})")
+    n_seq = args.requests or (50 if args.quick else 150)
+    result = peers_overhead(routers, workers=args.workers, rounds=args.rounds, n_seq=n_seq, n_load=20 * n_seq,
+                            concurrency=args.concurrency, policy=args.policy, venv=args.peers_venv,
+                            baseline=args.baseline)
+    print(peers_report(result))
+    if args.json:
+        print(json.dumps(result, indent=2))
     return 0
 
 

@@ -45,11 +45,13 @@ def openai_error(exc: Exception, map_exception: ExceptionMapper | None = None) -
 
 def error_middleware(map_exception: ExceptionMapper | None = None, *,
                      on_error: Callable[[int], None] | None = None,
-                     headers: Mapping[str, str] | None = None, retry_after_s: int | None = None):
+                     headers: Mapping[str, str] | None = None, retry_after_s: int | None = None,
+                     on_response: Callable[[web.Request, int], None] | None = None):
     """Middleware answering every exception a handler raises with an OpenAI-shaped JSON error.
 
     ``map_exception`` maps the server's own exceptions (None: not one of them); ``on_error`` is
-    told the status of every error answered; ``headers`` go on every response not yet sent
+    told the status of every error answered, ``on_response`` that of every answer (success or
+    error; one middleware layer less than a counting middleware of its own); ``headers`` go on every response not yet sent
     (success or error; the worker names itself); ``retry_after_s`` adds ``Retry-After`` to 429
     and 503 errors. Redirects (``web.HTTPException`` below 400) pass through untouched.
     """
@@ -72,8 +74,10 @@ def error_middleware(map_exception: ExceptionMapper | None = None, *,
                 response.headers["Allow"] = ",".join(sorted(exc.allowed_methods))
             if retry_after_s is not None and err.status in (429, 503):
                 response.headers["Retry-After"] = str(retry_after_s)
-        if not response.prepared:
+        if always and not response.prepared:
             response.headers.update(always)
+        if on_response is not None:
+            on_response(request, response.status)
         return response
 
     return middleware

@@ -40,7 +40,8 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 class BodyStream(Protocol):
-    """What a request body is read from (aiohttp's ``StreamReader``)."""
+    """What a request body is read from (aiohttp's ``StreamReader``; its ``is_eof`` and
+    ``read_nowait``, when it has them, let a body that arrived whole be taken at once)."""
 
     def iter_chunked(self, n: int) -> AsyncIterator[bytes]: ...
 
@@ -48,6 +49,7 @@ class BodyStream(Protocol):
 # Per event loop: the bytes of request bodies being received right now (BodyBytes).
 _RECEIVING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 RECEIVING_BYTES_FLOOR = 256 * 1024 * 1024
+_LAST_RECEIVING: list = [None]  # (weak reference to the loop, its BodyBytes) last looked up
 
 
 class BodyBytes:
@@ -65,9 +67,13 @@ class BodyBytes:
     @staticmethod
     def for_loop(limit: int) -> "BodyBytes":
         loop = asyncio.get_running_loop()
+        last = _LAST_RECEIVING[0]
+        if last is not None and last[0]() is loop:  # the usual case: one loop (no weak-dict lookup)
+            return last[1]
         books = _RECEIVING.get(loop)
         if books is None:
             books = _RECEIVING[loop] = BodyBytes(max(RECEIVING_BYTES_FLOOR, 4 * limit))
+        _LAST_RECEIVING[0] = (weakref.ref(loop), books)
         return books
 
 
@@ -100,6 +106,11 @@ async def read_limited_body(content_length: int | None, content: BodyStream, lim
         raise body_too_large(limit)
     books = BodyBytes.for_loop(limit)
     check = StructureCheck(limits, content_length) if limits is not None else None
+    is_eof = getattr(content, "is_eof", None)
+    if is_eof is not None and is_eof():
+        # All of it arrived already (a small body comes with the headers): the same checks,
+        # without a deadline, an iterator and a closure for every request.
+        return _whole_body(content.read_nowait(-1), limit, books, check)  # type: ignore[attr-defined]
     buf = Body()
     # The first BUFFER_FROM bytes are kept as the chunks they arrived in (no copy: a hostile body
     # is refused within them holding nothing else); a body that goes on is moved into ``buf``.
@@ -133,12 +144,39 @@ async def read_limited_body(content_length: int | None, content: BodyStream, lim
             buf.structure_checked = True
 
     try:
-        await asyncio.wait_for(_read(), timeout)
-    except asyncio.TimeoutError:
+        async with asyncio.timeout(timeout):  # not wait_for: no task of its own for every request
+            await _read()
+    except TimeoutError:
         raise OpenAIError(408, f"Request body not received within {timeout:g} s", code="timeout") from None
     finally:
         books.held -= held
     return buf
+
+
+def _whole_body(data: bytes, limit: int, books: BodyBytes, check: "StructureCheck | None") -> Body:
+    """:func:`read_limited_body` of a body received whole: over ``limit`` a 413, over the bytes
+    being received together a 503, over the structure limits a 400 (before it is copied)."""
+    if len(data) > limit:
+        raise body_too_large(limit)
+    if books.held + len(data) > books.cap:
+        raise _server_busy(books.cap)
+    if check is not None:
+        budget = min(check.max_budget, check.limits.node_budget(len(data)))
+        if not within_by_counts(data, check.limits.max_depth, budget):
+            check.feed(data)
+            check.finish()
+    buf = Body(data)
+    buf.structure_checked = check is not None
+    return buf
+
+
+def within_by_counts(data: bytes | bytearray, max_depth: int, budget: int) -> bool:
+    """True when ``data`` provably holds at most ``budget`` JSON values and keys and nests at
+    most ``max_depth`` deep, from four byte counts (strings included, so an overestimate of
+    what :class:`StructureCheck` counts: it finds a body within these bounds within its limits
+    too, valid JSON or not). Most requests are: their exact check is then skipped."""
+    opens = data.count(b"[") + data.count(b"{")
+    return opens <= max_depth and 1 + opens + data.count(b":") + data.count(b",") <= budget
 
 
 @dataclass(frozen=True, slots=True)

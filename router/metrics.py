@@ -101,6 +101,10 @@ class RouterMetrics:
         self._feedback: dict[str, tuple] = {}
         self._unreported_logged: set[str] = set()
         self._requests: dict[tuple[str, str], Any] = {}
+        # label children of the per-request families, looked up once (labels() costs a lock and
+        # a tuple of strings per call); their keys are bounded: status codes, served models
+        self._responses: dict[int, Any] = {}
+        self._by_model: dict[str, tuple[Any, Any]] = {}
 
     def add_state(self, read: Callable[[], Iterable[GaugeMetricFamily]]) -> None:
         """Register a scrape-time reader of state gauges."""
@@ -132,9 +136,19 @@ class RouterMetrics:
 
     def observe_request(self, model: str, ttfb_s: float | None, duration_s: float) -> None:
         """A finished request's time to first byte (None: no worker answered) and duration."""
+        children = self._by_model.get(model)
+        if children is None:
+            children = self._by_model[model] = (self.ttfb.labels(model), self.duration.labels(model))
         if ttfb_s is not None:
-            self.ttfb.labels(model).observe(ttfb_s)
-        self.duration.labels(model).observe(duration_s)
+            children[0].observe(ttfb_s)
+        children[1].observe(duration_s)
+
+    def count_response(self, status: int) -> None:
+        """Count an answer sent to a client, by its status code."""
+        child = self._responses.get(status)
+        if child is None:
+            child = self._responses[status] = self.responses.labels(str(status))
+        child.inc()
 
     def count_request(self, worker_id: str, reason: str) -> None:
         """Count a routed request (label children cached: this runs for every request)."""

@@ -84,14 +84,20 @@ class UsageLedger:
     def record(self, model: str, tenant: str, usage: Usage, priced: PricedUsage | None) -> None:
         """Count one response of ``model`` billed to ``tenant`` (see :func:`tenant_of`)."""
         self.total.add(usage, priced)
-        self.models.setdefault(model, UsageTotals()).add(usage, priced)
+        totals = self.models.get(model)  # get first: setdefault would build a UsageTotals every time
+        if totals is None:
+            totals = self.models[model] = UsageTotals()
+        totals.add(usage, priced)
         per_model = self.tenants.get(tenant)
         if per_model is None:
             if len(self.tenants) >= self.max_tenants:
                 self.overflowed_tenants += 1
                 tenant = OVERFLOW_TENANT
             per_model = self.tenants.setdefault(tenant, {})
-        per_model.setdefault(model, UsageTotals()).add(usage, priced)
+        totals = per_model.get(model)
+        if totals is None:
+            totals = per_model[model] = UsageTotals()
+        totals.add(usage, priced)
 
     def tenant_total(self, tenant: str) -> UsageTotals:
         """One tenant's totals over all its models."""

@@ -72,6 +72,11 @@ class PricedUsage:
         return self.no_cache_usd - self.total_usd
 
 
+def _count(value: Any) -> int:
+    """A token count as reported: a non-negative int (not a bool), else 0."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
 def usage_from_openai(usage: Mapping[str, Any] | None) -> Usage:
     """A :class:`Usage` from an OpenAI ``usage`` object (``prompt_tokens_details.cached_tokens``).
 
@@ -80,10 +85,7 @@ def usage_from_openai(usage: Mapping[str, Any] | None) -> Usage:
     """
     if not isinstance(usage, Mapping):
         return Usage()
-
-    def count(value: Any) -> int:
-        return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
-
+    count = _count
     details = usage.get("prompt_tokens_details")
     cached = count(details.get("cached_tokens")) if isinstance(details, Mapping) else 0
     if "cache_read_input_tokens" in usage or "cache_creation_input_tokens" in usage:

@@ -12,11 +12,12 @@ are ``protocol/api_keys.py``'s (see :func:`middlewares`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import math
+import os
 import time
-import uuid
 from typing import Awaitable, Callable, Mapping, Sequence
 
 from aiohttp import web
@@ -44,18 +45,17 @@ HEADER_REQUEST_ID = "X-Request-Id"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-@web.middleware
-async def count_responses(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Count every answer by status (outside the error middleware, so errors count as answered)."""
-    response = await handler(request)
-    request.config_dict[CONTEXT].metrics.responses.labels(str(response.status)).inc()
-    return response
+def count_response(request: web.Request, status: int) -> None:
+    """Count every answer by status (errors included: the error middleware calls it last)."""
+    request.config_dict[CONTEXT].metrics.count_response(status)
 
 
 def middlewares(api_keys: Sequence[str]) -> list:
-    """The router's middlewares, outermost first: counting, errors (protocol's, shared with the
-    worker; 429 and 503 carry ``Retry-After``), then API keys on ``/v1/*``."""
-    return [count_responses, error_middleware(retry_after_s=RETRY_AFTER_S), api_key_middleware(api_keys)]
+    """The router's middlewares, outermost first: errors (protocol's, shared with the worker;
+    429 and 503 carry ``Retry-After``; every answer counted by status), then API keys on
+    ``/v1/*`` when there are keys (none: no layer)."""
+    errors = error_middleware(retry_after_s=RETRY_AFTER_S, on_response=count_response)
+    return [errors, api_key_middleware(api_keys)] if api_keys else [errors]
 
 
 async def read_body(request: web.Request, limit: int, timeout: float = 30.0,
@@ -101,11 +101,12 @@ def with_include_usage(raw: bytes, body: dict) -> bytes:
 async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
     ctx = request.app[CONTEXT]
     cfg = ctx.config
-    limits = RequestLimits(max_body_bytes=cfg.max_body_bytes)
+    limits = _limits(cfg.max_body_bytes)
     raw = await read_body(request, cfg.max_body_bytes, cfg.body_timeout, limits)
     parsed = await decode_off_loop(raw, parse_request, chat, limits)
     # The client's request id, or one made here: returned, passed to the worker, in the access log.
-    request_id = forwardable(HEADER_REQUEST_ID, request.headers.get(HEADER_REQUEST_ID) or uuid.uuid4().hex)
+    # (32 random hex digits, as uuid4().hex but without building a UUID)
+    request_id = forwardable(HEADER_REQUEST_ID, request.headers.get(HEADER_REQUEST_ID) or os.urandom(16).hex())
     virtual = ctx.virtual_models.get(parsed.model)
     if virtual is not None:
         async def forward_to(body: dict, is_chat: bool, stream: bool, include_usage: bool,
@@ -119,18 +120,27 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
     if served and parsed.model not in served:
         raise model_not_found(parsed.model, [*served, *ctx.virtual_models])
     return await forward(request, raw, parsed.body, chat, stream=parsed.stream, include_usage=parsed.include_usage,
-                         request_id=request_id)
+                         request_id=request_id, served=served)
+
+
+@functools.lru_cache(maxsize=8)
+def _limits(max_body_bytes: int) -> RequestLimits:
+    """The request limits of a body limit (one object, not one per request)."""
+    return RequestLimits(max_body_bytes=max_body_bytes)
 
 
 async def forward(request: web.Request, raw: bytes, body: dict, chat: bool, *, stream: bool, include_usage: bool,
-                  request_id: str, response_headers: Mapping[str, str] | None = None) -> web.StreamResponse:
+                  request_id: str, response_headers: Mapping[str, str] | None = None,
+                  served: Sequence[str] | None = None) -> web.StreamResponse:
     """Route one validated request (``raw`` is ``body`` as the worker gets it) to a worker of its
-    model through the cache-aware proxy, answer with its response, log it and record its usage."""
+    model through the cache-aware proxy, answer with its response, log it and record its usage
+    (``served``: the models the workers serve, when the caller has them already)."""
     ctx = request.app[CONTEXT]
     cfg = ctx.config
     path = "/v1/chat/completions" if chat else "/v1/completions"
     model = body.get("model") if isinstance(body.get("model"), str) else ""
-    served = ctx.registry.models()
+    if served is None:
+        served = ctx.registry.models()
     session = session_key_of(request.headers, body, cfg.session_headers, cfg.session_fields)
     try:
         prompt = prompt_key(body, chat, cfg.chunk_size, cfg.ring_key_chunks, session)
@@ -187,10 +197,12 @@ def _access(ctx: RouterContext, preq: ProxyRequest, model: str, label: str, stat
     """One access-log line per request, the router's own latency histograms (by model: they
     hold for every kind of backend, vLLM's included), and the answer's usage in the ledger."""
     a = preq.access
-    usage = usage_numbers(a.booking.usage) if a.booking is not None else None
     if status == 200 and a.booking is not None and a.booking.usage is not None:
         ctx.costs.record(model, tenant, a.booking.usage)
     ctx.metrics.observe_request(label, a.ttfb_s, duration_s)
+    if not access_log.isEnabledFor(logging.INFO):
+        return
+    usage = usage_numbers(a.booking.usage) if a.booking is not None else None
     access_log.info("event=access request_id=%s model=%s path=%s stream=%s status=%d worker=%s reason=%s "
                     "attempts=%d ttfb_ms=%s duration_ms=%.1f prompt_tokens=%s cached_tokens=%s "
                     "predicted_cached_tokens=%d", preq.request_id, model, preq.path, preq.stream, status, a.worker,

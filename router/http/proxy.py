@@ -28,7 +28,7 @@ one breaker delay, not ``--read-timeout``.
 worker saying it is draining) count towards the worker's breaker, successes reset it.
 
 Streaming is passed through event by event (``router/http/sse.py``), never buffered; TCP_NODELAY is
-on (aiohttp sets it on every transport). A client that disconnects cancels the handler (the
+on (aiohttp sets it on the client's side, ``router/fleet/upstream.py`` on the workers' side). A client that disconnects cancels the handler (the
 server runs with handler cancellation), and closing the upstream response drops that
 connection, which aborts the request on the worker. Connections to workers are pooled.
 """
@@ -320,7 +320,7 @@ class Proxy:
     async def _send(self, url: str, preq: ProxyRequest) -> tuple[aiohttp.ClientResponse, bytes]:
         """POST to the worker; then its first bytes (streaming 200) or its whole body (otherwise)."""
         try:
-            upstream = await self.connections.session.post(url + preq.path, data=preq.body, headers=preq.headers)
+            upstream = await self.connections.post(url, preq.path, preq.body, preq.headers)
         except asyncio.TimeoutError as exc:
             raise _Failed("timeout", "timed out connecting") from exc
         except (aiohttp.ClientError, OSError) as exc:
@@ -347,7 +347,12 @@ class Proxy:
 
     def _headers(self, booking: BookedAttempt, upstream: aiohttp.ClientResponse,
                  request_id: str = "", extra: Mapping[str, str] | None = None) -> dict[str, str]:
-        headers = {name: upstream.headers[name] for name in PASS_BACK if name in upstream.headers}
+        given = upstream.headers
+        headers = {}
+        for name in PASS_BACK:
+            value = given.get(name)
+            if value is not None:
+                headers[name] = value
         headers.update(extra or {})
         if request_id:
             headers["X-Request-Id"] = request_id

@@ -173,3 +173,67 @@ def test_the_bytes_being_received_together_are_capped_with_a_503_and_given_back(
         assert len(body) == 59_998 and books.held == 0
 
     asyncio.run(main())
+
+
+class _Arrived:
+    """A body that arrived whole before the handler reads it (aiohttp's StreamReader at EOF)."""
+
+    def __init__(self, raw: bytes) -> None:
+        self.raw = raw
+
+    def is_eof(self) -> bool:
+        return True
+
+    def read_nowait(self, n: int = -1) -> bytes:
+        data, self.raw = self.raw, b""
+        return data
+
+    async def iter_chunked(self, n: int):
+        pytest.fail("a body that arrived whole is taken at once, not iterated")
+        yield b""
+
+
+def test_a_body_that_arrived_whole_gets_the_same_checks_at_once():
+    value = {"model": "m", "prompt": "[1, 2]" * 100}
+    raw = json.dumps(value).encode()
+    body = asyncio.run(read_limited_body(len(raw), _Arrived(raw), 1 << 24, 30.0, RequestLimits()))
+    assert body.structure_checked and bytes(body) == raw and parse_json_body(body) == value
+
+    with pytest.raises(OpenAIError) as too_large:  # chunked: no length declared, over the limit
+        asyncio.run(read_limited_body(None, _Arrived(raw), len(raw) - 1, 30.0, RequestLimits()))
+    assert too_large.value.status == 413
+    with pytest.raises(OpenAIError) as too_deep:
+        deep = b"[" * 40 + b"]" * 40
+        asyncio.run(read_limited_body(len(deep), _Arrived(deep), 1 << 24, 30.0, RequestLimits(max_depth=32)))
+    assert too_deep.value.status == 400
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=300) | st.text(alphabet='[]{}:,"\\ ab0', max_size=300).map(str.encode))
+def test_a_body_within_the_byte_count_bounds_is_within_the_exact_check_too(raw):
+    # within_by_counts may skip StructureCheck only where it could not refuse the body over a
+    # limit; what it refuses as invalid JSON, the parser refuses too (a 400 either way)
+    from protocol.openai_body import Body, within_by_counts
+
+    limits = RequestLimits(max_depth=4, max_json_nodes=24, bytes_per_json_node=10_000)
+    budget = limits.node_budget(len(raw))
+    if not within_by_counts(raw, limits.max_depth, budget):
+        return
+    check = StructureCheck(limits, len(raw))
+    try:
+        check.feed(raw)
+        check.finish()
+    except OpenAIError as exc:
+        assert exc.status == 400 and "not valid JSON" in str(exc), str(exc)
+        skipped = Body(raw)
+        skipped.structure_checked = True
+        with pytest.raises(OpenAIError) as parsed:
+            parse_json_body(skipped, limits)
+        assert parsed.value.status == 400
+
+
+def test_a_small_body_over_the_depth_still_gets_its_400_when_it_arrived_whole():
+    deep = b'{"a":' * 33 + b"1" + b"}" * 33
+    with pytest.raises(OpenAIError) as info:
+        asyncio.run(read_limited_body(len(deep), _Arrived(deep), 1 << 24, 30.0, RequestLimits(max_depth=32)))
+    assert info.value.status == 400

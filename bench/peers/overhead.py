@@ -1,0 +1,202 @@
+"""The router's own cost beside the peers': ``python -m bench.router_overhead --peers``.
+
+prefixlb, sglang-router and vllm-router (from ``.venv-peers``, ``bench/peers/install.sh``) each in
+front of the same simulated workers (``prefixlb worker --simulate --time-scale 1000``: the real
+HTTP server, near-zero model time), all real processes on loopback, and the workers called
+directly as the baseline. Each round measures every target, in an order rotated from round to
+round, so that a neighbour's load on this shared machine falls on all of them alike:
+
+1. **unloaded latency**: sequential non-streaming requests, one to each target in turn; the
+   router's p50 / p90 minus direct's.
+2. **streaming first chunk**: the same with ``"stream": true``, to the first SSE event.
+3. **concurrency** (32): a closed loop of non-streaming requests through each target in turn; the
+   router's CPU per completed request (user + system time of its whole process group, from
+   ``/proc``) and requests per second.
+
+Prompts cycle through ``PROMPTS`` distinct prefixes, so a cache-aware policy spreads them over the
+workers; direct requests go to the workers round-robin.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import aiohttp
+
+from bench.cluster import Cluster, cluster
+from bench.peers.launch import DEFAULT_VENV, PEERS
+from bench.stats import percentile
+from protocol.loopback import wait_http_ok
+
+ROUTERS = ("prefixlb", *PEERS)
+PROMPTS = 16
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """User + system CPU seconds, so far, of every live process in process group ``pgid``."""
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[2]) == pgid:
+            total += int(fields[11]) + int(fields[12])
+    return total / TICKS
+
+
+def body_for(i: int, stream: bool) -> dict:
+    """Request ``i``'s body: one of ``PROMPTS`` prefixes, a few output tokens."""
+    return {"model": "llama-3-8b", "max_tokens": 4, "temperature": 0, "stream": stream,
+            "prompt": f"Tenant {i % PROMPTS}: summarise the meeting notes below in one sentence. " * 2}
+
+
+@dataclass
+class Target:
+    """Where requests go: a router (one URL, its process group) or the workers directly."""
+
+    name: str
+    urls: list[str]
+    pgid: int | None = None
+    sent: int = 0
+    unloaded: list[float] = field(default_factory=list)
+    first_chunk: list[float] = field(default_factory=list)
+    cpu_us: list[float] = field(default_factory=list)
+    req_per_s: list[float] = field(default_factory=list)
+
+    def next_url(self) -> str:
+        self.sent += 1
+        return self.urls[self.sent % len(self.urls)]
+
+
+async def one(http: aiohttp.ClientSession, target: Target, i: int, stream: bool) -> float:
+    """Seconds to the whole answer (non-streaming) or to the first SSE event (streaming)."""
+    t0 = time.perf_counter()
+    async with http.post(target.next_url() + "/v1/completions", json=body_for(i, stream)) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{target.name}: HTTP {resp.status}: {await resp.text()}")
+        if stream:
+            await resp.content.readuntil(b"\n\n")
+            first = time.perf_counter() - t0
+            await resp.read()
+            return first
+        await resp.read()
+        return time.perf_counter() - t0
+
+
+async def sequential(targets: Sequence[Target], n: int, stream: bool, warmup: int = 0) -> None:
+    """``n`` requests to each target, interleaved request by request; latencies appended."""
+    async with aiohttp.ClientSession() as http:
+        for i in range(warmup + n):
+            for t in targets:
+                seconds = await one(http, t, i, stream)
+                if i >= warmup:
+                    (t.first_chunk if stream else t.unloaded).append(seconds)
+
+
+async def closed_loop(target: Target, n: int, concurrency: int) -> None:
+    """``n`` non-streaming requests by ``concurrency`` clients; CPU per request and req/s appended."""
+    remaining = min(n, 4 * concurrency)  # warm-up: the connection pools fill
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as http:
+        async def client() -> None:
+            nonlocal remaining
+            while remaining > 0:
+                remaining -= 1
+                await one(http, target, remaining, False)
+
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        remaining = n
+        cpu0 = group_cpu_seconds(target.pgid) if target.pgid else 0.0
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - t0
+        if target.pgid:
+            target.cpu_us.append(1e6 * (group_cpu_seconds(target.pgid) - cpu0) / n)
+    target.req_per_s.append(n / elapsed)
+
+
+def start(c: Cluster, routers: Sequence[str], workers: int, policy: str, venv: Path,
+          baseline: Path | None = None) -> list[Target]:
+    """The workers, then each router in front of them; [direct, *routers] as targets
+    (``baseline``: a checkout of prefixlb whose router runs too, as ``prefixlb@baseline``)."""
+    fleet = c.workers(workers, time_scale=1000)
+    targets = [Target("direct", [w.url for w in fleet])]
+    for name in [*routers, *(["prefixlb@baseline"] if baseline else [])]:
+        if name.startswith("prefixlb"):
+            proc = c.router(fleet, policy, source=baseline if name == "prefixlb@baseline" else None)
+            wait_http_ok(proc.url + "/health", 30, accept=lambda b: json.loads(b)["routable_workers"] == workers)
+        else:
+            proc = c.peer(name, policy, fleet, venv=venv)
+        targets.append(Target(name, [proc.url], pgid=proc.popen.pid))
+    return targets
+
+
+def measure(routers: Sequence[str] = ROUTERS, workers: int = 4, rounds: int = 3, n_seq: int = 150,
+            n_load: int = 3000, concurrency: int = 32, policy: str = "cache_aware",
+            venv: Path = DEFAULT_VENV, baseline: Path | None = None) -> dict:
+    """Run the rounds; per target: latencies, added latency, CPU per request, req/s."""
+    with tempfile.TemporaryDirectory(prefix="router-overhead-") as logs, cluster(logs) as c:
+        targets = start(c, routers, workers, policy, venv, baseline)
+        for r in range(rounds):
+            order = targets[r % len(targets):] + targets[:r % len(targets)]
+            asyncio.run(sequential(order, n_seq, stream=False, warmup=10 if r == 0 else 0))
+            asyncio.run(sequential(order, n_seq, stream=True, warmup=10 if r == 0 else 0))
+            for t in order:
+                asyncio.run(closed_loop(t, n_load, concurrency))
+    return summarize(targets, concurrency, rounds)
+
+
+def summarize(targets: Sequence[Target], concurrency: int, rounds: int) -> dict:
+    """Per target: p50 / p90 (ms), added over direct, CPU µs per request and req/s (medians over rounds)."""
+    direct = targets[0]
+    ms = 1000.0
+    out: dict = {"concurrency": concurrency, "rounds": rounds, "targets": {}}
+    for t in targets:
+        row = {"unloaded_p50_ms": percentile(t.unloaded, 50) * ms, "unloaded_p90_ms": percentile(t.unloaded, 90) * ms,
+               "first_chunk_p50_ms": percentile(t.first_chunk, 50) * ms,
+               "first_chunk_p90_ms": percentile(t.first_chunk, 90) * ms,
+               "req_per_s": statistics.median(t.req_per_s), "req_per_s_rounds": t.req_per_s}
+        if t is not direct:
+            row.update(
+                added_p50_ms=row["unloaded_p50_ms"] - out["targets"]["direct"]["unloaded_p50_ms"],
+                added_p90_ms=row["unloaded_p90_ms"] - out["targets"]["direct"]["unloaded_p90_ms"],
+                first_chunk_added_p50_ms=row["first_chunk_p50_ms"] - out["targets"]["direct"]["first_chunk_p50_ms"],
+                first_chunk_vs_direct=row["first_chunk_p50_ms"] / out["targets"]["direct"]["first_chunk_p50_ms"],
+                cpu_us_per_request=statistics.median(t.cpu_us), cpu_us_rounds=t.cpu_us)
+        out["targets"][t.name] = row
+    return out
+
+
+def report(result: dict) -> str:
+    """A markdown table of :func:`measure`'s result, and each router's ratios to sglang-router's."""
+    rows = result["targets"]
+    lines = [f"# router overhead beside the peers (concurrency {result['concurrency']}, {result['rounds']} rounds, "
+             f"load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} cores shared by everything)",
+             "| target | CPU µs/request | req/s | unloaded p50 ms (added) | p90 added | first chunk p50 ms "
+             "(added, ÷ direct) |", "|---|---|---|---|---|---|"]
+    for name, r in rows.items():
+        if name == "direct":
+            lines.append(f"| direct | - | {r['req_per_s']:.0f} | {r['unloaded_p50_ms']:.2f} | - | "
+                         f"{r['first_chunk_p50_ms']:.2f} |")
+            continue
+        lines.append(f"| {name} | {r['cpu_us_per_request']:.0f} | {r['req_per_s']:.0f} | {r['unloaded_p50_ms']:.2f} "
+                     f"({r['added_p50_ms']:+.2f}) | {r['added_p90_ms']:+.2f} | {r['first_chunk_p50_ms']:.2f} "
+                     f"({r['first_chunk_added_p50_ms']:+.2f}, {r['first_chunk_vs_direct']:.2f}x) |")
+    for other in ("sglang-router", "prefixlb@baseline"):
+        if "prefixlb" in rows and other in rows:
+            p, s = rows["prefixlb"], rows[other]
+            lines.append(f"prefixlb / {other}: CPU per request {p['cpu_us_per_request'] / s['cpu_us_per_request']:.2f}x, "
+                         f"added p50 {p['added_p50_ms']:.2f} vs {s['added_p50_ms']:.2f} ms, "
+                         f"req/s {p['req_per_s'] / s['req_per_s']:.2f}x")
+    return "\n".join(lines)

@@ -1,0 +1,497 @@
+"""UpstreamPool: the proxy's own HTTP/1.1 client to its workers: POST, pooled keep-alive connections.
+
+Issue 18: aiohttp's ``ClientSession.post`` and its response objects cost more router CPU per
+request than the routing itself (URL, cookie and header machinery, a timer context, payload
+registry; measured with the upstream call faked out: about 200 µs of ~450). The proxy needs
+little of it: send bytes with a few headers, then read a status line, headers and a body as it
+arrives. This client writes each request with one ``transport.write`` and parses the answer
+with a small state machine as bytes arrive:
+
+    HEAD ──► LENGTH (Content-Length) ─┐
+      │  ──► CHUNKED (size, data, CRLF, ... 0, trailers) ──► DONE ──► back to the pool
+      └────► UNTIL_EOF (no framing: the connection is not reused) ──┘
+
+It keeps the interface of aiohttp's ``ClientResponse`` that the proxy uses (``status``,
+``headers``, ``content.readany()`` / ``read(n)``, ``release()``, ``close()``) and aiohttp's
+exception types, so every failure keeps its kind: a refused connection is a
+``ConnectionRefusedError``, a connect timeout or silence for ``read_timeout`` between bytes a
+``TimeoutError`` (``aiohttp.ServerTimeoutError`` while reading), a connection lost before the
+end of the body ``aiohttp.ServerDisconnectedError`` / ``aiohttp.ClientPayloadError``, an answer
+that is not HTTP/1.x ``UpstreamProtocolError`` (an ``aiohttp.ClientError``).
+
+Reading is paused while more than ``HIGH_WATER`` bytes of body wait for the proxy (a fast worker
+cannot fill the router's memory behind a slow client), and resumed below ``LOW_WATER``.
+A connection goes back to the pool only after a complete answer that allows it (no
+``Connection: close``); closing a response early drops its connection, which aborts the request
+on the worker. ``https://`` workers are left to aiohttp (``router/fleet/connections.py``).
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import errno
+import re
+import socket
+import time
+from typing import Mapping
+from urllib.parse import urlsplit
+
+import aiohttp
+from multidict import CIMultiDict, CIMultiDictProxy
+
+HIGH_WATER = 256 * 1024
+LOW_WATER = 64 * 1024
+MAX_HEAD_BYTES = 64 * 1024  # status line and headers together
+MAX_HEADERS = 128
+MAX_CHUNK_LINE = 4096  # a chunk-size line, extensions included
+_STATUS_LINE = re.compile(r"HTTP/1\.([01]) ([1-9][0-9][0-9])(?: [^\r\n]*)?")
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_NO_HEADERS: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())  # until the answer's are in
+_HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_CRLF, _TRAILERS, _UNTIL_EOF, _DONE = range(8)
+
+
+class UpstreamProtocolError(aiohttp.ClientError):
+    """The worker's answer is not well-formed HTTP/1.x."""
+
+
+class _Connection(asyncio.Protocol):
+    """One pooled connection; feeds the response being received, if any."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.response: UpstreamResponse | None = None
+        self.lost = False
+        self.idle_since = 0.0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:  # not TCP
+                pass
+
+    def data_received(self, data: bytes) -> None:
+        if self.response is None:  # bytes nobody asked for: the connection is out of step
+            self.close()
+            return
+        self.response._feed(data)
+
+    def eof_received(self) -> bool:
+        self._lost(None)
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lost(exc)
+
+    def _lost(self, exc: BaseException | None) -> None:
+        self.lost = True
+        if self.response is not None:
+            self.response._connection_lost(exc)
+
+    def close(self) -> None:
+        """Drop the connection (the worker sees the request aborted)."""
+        self.lost = True
+        if self.transport is not None:
+            self.transport.close()
+
+
+class UpstreamResponse:
+    """A worker's answer as it arrives (the part of aiohttp's ``ClientResponse`` the proxy uses)."""
+
+    __slots__ = ("status", "headers", "_conn", "_pool", "_key", "_loop", "_read_timeout", "_buf", "_state",
+                 "_remaining", "_chunks", "_buffered", "_paused", "_keep_alive", "_exc", "_waiter", "_head_done",
+                 "_finished")
+
+    def __init__(self, conn: _Connection, pool: "UpstreamPool", key: tuple, read_timeout: float | None) -> None:
+        self.status = 0
+        self.headers: CIMultiDictProxy[str] = _NO_HEADERS
+        self._conn = conn
+        self._pool = pool
+        self._key = key
+        self._loop = asyncio.get_running_loop()
+        self._read_timeout = read_timeout
+        self._buf = bytearray()
+        self._state = _HEAD
+        self._remaining = 0
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._buffered = 0
+        self._paused = False
+        self._keep_alive = True
+        self._exc: BaseException | None = None
+        self._waiter: asyncio.Future | None = None
+        self._head_done = False
+        self._finished = False  # released or closed
+
+    @property
+    def content(self) -> "UpstreamResponse":
+        """The body stream (``readany`` / ``read``), as ``ClientResponse.content``."""
+        return self
+
+    # -- parsing (called by the connection) -------------------------------------------------
+    def _feed(self, data: bytes) -> None:
+        state = self._state
+        if state == _DONE:
+            self._keep_alive = False  # more than one answer: never reuse this connection
+            return
+        if not self._buf and (state == _UNTIL_EOF or (state in (_LENGTH, _CHUNK_DATA) and len(data) <= self._remaining)):
+            # the common case of a body arriving: no copy through the parse buffer
+            self._push(data)
+            if state != _UNTIL_EOF:
+                self._remaining -= len(data)
+                if self._remaining == 0:
+                    self._state = _DONE if state == _LENGTH else _CHUNK_CRLF
+        else:
+            self._buf += data
+            try:
+                self._parse()
+            except UpstreamProtocolError as exc:
+                self._fail(exc)
+                self._conn.close()
+        self._wake()
+
+    def _parse(self) -> None:
+        """Consume what the buffer holds, state by state (one pass: the consumed bytes are
+        removed once, at the end)."""
+        buf = self._buf
+        pos, size = 0, len(buf)
+        try:
+            while pos < size:
+                state = self._state
+                if state == _HEAD:
+                    end = buf.find(b"\r\n\r\n", pos)
+                    if end < 0:
+                        if size - pos > MAX_HEAD_BYTES:
+                            raise UpstreamProtocolError("the worker's response headers are too large")
+                        return
+                    head = bytes(buf[pos:end])
+                    pos = end + 4
+                    self._head(head)
+                elif state == _LENGTH or state == _CHUNK_DATA:
+                    n = min(self._remaining, size - pos)
+                    self._push(bytes(buf[pos:pos + n]))
+                    pos += n
+                    self._remaining -= n
+                    if self._remaining == 0:
+                        self._state = _DONE if state == _LENGTH else _CHUNK_CRLF
+                elif state == _UNTIL_EOF:
+                    self._push(bytes(buf[pos:]))
+                    pos = size
+                elif state == _CHUNK_SIZE:
+                    end = buf.find(b"\r\n", pos)
+                    if end < 0:
+                        if size - pos > MAX_CHUNK_LINE:
+                            raise UpstreamProtocolError("a chunk-size line is too long")
+                        return
+                    line = bytes(buf[pos:end]).split(b";", 1)[0].strip()
+                    pos = end + 2
+                    try:
+                        if not line or line.startswith((b"-", b"+", b"0x", b"0X")):
+                            raise ValueError
+                        chunk_size = int(line, 16)
+                    except ValueError:
+                        raise UpstreamProtocolError(f"invalid chunk size {line[:32]!r}") from None
+                    if chunk_size == 0:
+                        self._state = _TRAILERS
+                    else:
+                        self._state, self._remaining = _CHUNK_DATA, chunk_size
+                elif state == _CHUNK_CRLF:
+                    if size - pos < 2:
+                        return
+                    if buf[pos:pos + 2] != b"\r\n":
+                        raise UpstreamProtocolError("a chunk does not end with CRLF")
+                    pos += 2
+                    self._state = _CHUNK_SIZE
+                elif state == _TRAILERS:
+                    end = buf.find(b"\r\n", pos)
+                    if end < 0:
+                        if size - pos > MAX_HEAD_BYTES:
+                            raise UpstreamProtocolError("the worker's trailers are too large")
+                        return
+                    if end == pos:
+                        self._state = _DONE
+                    pos = end + 2
+                else:  # _DONE: bytes after the answer
+                    self._keep_alive = False
+                    pos = size
+        finally:
+            del buf[:pos]
+
+    def _head(self, head: bytes) -> None:
+        lines = head.decode("utf-8", "surrogateescape").split("\r\n")
+        status = _STATUS_LINE.fullmatch(lines[0])
+        if status is None:
+            raise UpstreamProtocolError(f"invalid status line {lines[0][:64]!r}")
+        if len(lines) - 1 > MAX_HEADERS:
+            raise UpstreamProtocolError("the worker sent too many headers")
+        code = int(status.group(2))
+        if 100 <= code < 200:  # an interim answer (100 Continue, 103): the real one follows
+            return
+        headers: CIMultiDict[str] = CIMultiDict()
+        token = _TOKEN.fullmatch
+        for line in lines[1:]:
+            name, sep, value = line.partition(":")
+            if not sep or token(name) is None:
+                raise UpstreamProtocolError(f"invalid header line {line[:64]!r}")
+            headers.add(name, value.strip(" \t"))
+        self.status = code
+        self.headers = CIMultiDictProxy(headers)
+        connection = headers.get("Connection", "").lower()
+        if status.group(1) == "0":
+            self._keep_alive = "keep-alive" in connection
+        elif "close" in connection:
+            self._keep_alive = False
+        encoding = headers.get("Transfer-Encoding")
+        length = headers.getall("Content-Length", ())
+        if code in (204, 304):
+            self._state = _DONE
+        elif encoding is not None:
+            if length:
+                raise UpstreamProtocolError("both Content-Length and Transfer-Encoding")
+            if encoding.lower().rsplit(",", 1)[-1].strip() == "chunked":
+                self._state = _CHUNK_SIZE
+            else:
+                self._state, self._keep_alive = _UNTIL_EOF, False
+        elif length:
+            if len(set(length)) != 1 or not length[0].isdigit():
+                raise UpstreamProtocolError(f"invalid Content-Length {length!r}")
+            self._remaining = int(length[0])
+            self._state = _LENGTH if self._remaining else _DONE
+        else:
+            self._state, self._keep_alive = _UNTIL_EOF, False
+        self._head_done = True
+
+    def _push(self, data: bytes) -> None:
+        if not data:
+            return
+        self._chunks.append(data)
+        self._buffered += len(data)
+        if self._buffered > HIGH_WATER and not self._paused and self._conn.transport is not None:
+            self._paused = True
+            self._conn.transport.pause_reading()
+
+    def _connection_lost(self, exc: BaseException | None) -> None:
+        if self._state == _UNTIL_EOF:
+            self._state = _DONE
+        elif self._state != _DONE and self._exc is None:
+            if not self._head_done:
+                error: BaseException = aiohttp.ServerDisconnectedError()
+            else:
+                error = aiohttp.ClientPayloadError("Response payload is not completed")
+            if exc is not None:
+                error.__cause__ = exc
+            self._exc = error
+        self._keep_alive = False
+        self._wake()
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._exc is None:
+            self._exc = exc
+        self._keep_alive = False
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def _wait(self) -> None:
+        """Until more bytes, the end or a failure; ``aiohttp.ServerTimeoutError`` after ``read_timeout`` s."""
+        waiter = self._waiter = self._loop.create_future()
+        handle = None
+        if self._read_timeout is not None:
+            handle = self._loop.call_later(self._read_timeout, self._timed_out, waiter)
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+            if handle is not None:
+                handle.cancel()
+        if waiter.result() is not None:
+            raise waiter.result()
+
+    @staticmethod
+    def _timed_out(waiter: asyncio.Future) -> None:
+        if not waiter.done():
+            waiter.set_result(aiohttp.ServerTimeoutError("Timeout on reading data from socket"))
+
+    async def _start(self) -> None:
+        while not self._head_done:
+            if self._exc is not None:
+                raise self._exc
+            await self._wait()
+
+    # -- the body, as the proxy reads it -----------------------------------------------------
+    async def readany(self) -> bytes:
+        """The body bytes received so far and not read yet (waiting for some); b"" at its end."""
+        while not self._chunks:
+            if self._exc is not None:
+                raise self._exc
+            if self._state == _DONE:
+                return b""
+            await self._wait()
+        chunks = self._chunks
+        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self._buffered = 0
+        if self._paused and self._conn.transport is not None:
+            self._paused = False
+            self._conn.transport.resume_reading()
+        return data
+
+    async def read(self, n: int = -1) -> bytes:
+        """At most ``n`` bytes of the body (``n`` < 0: all of it)."""
+        if n < 0:
+            parts = []
+            while chunk := await self.readany():
+                parts.append(chunk)
+            return b"".join(parts)
+        data = await self.readany()
+        if len(data) > n:
+            self._chunks.appendleft(data[n:])
+            self._buffered += len(data) - n
+            data = data[:n]
+        return data
+
+    def release(self) -> None:
+        """Done with the answer: its connection goes back to the pool if the answer was complete."""
+        if self._finished:
+            return
+        self._finished = True
+        conn = self._conn
+        conn.response = None
+        if self._state == _DONE and self._keep_alive and self._exc is None and not self._chunks and not conn.lost:
+            self._pool._put(self._key, conn)
+        else:
+            conn.close()
+
+    def close(self) -> None:
+        """Drop the connection now (the worker sees the request aborted)."""
+        if self._finished:
+            return
+        self._finished = True
+        self._conn.response = None
+        self._conn.close()
+
+
+def _refused_everywhere(exc: OSError) -> ConnectionRefusedError | None:
+    """A ``ConnectionRefusedError`` when ``exc`` is asyncio's "Multiple exceptions" of a host with
+    several addresses, every one of which refused (aiohttp reported that as refused too: the
+    breaker opens at once when nothing listens); else None."""
+    text = str(exc)
+    if isinstance(exc, ConnectionRefusedError) or not text.startswith("Multiple exceptions: "):
+        return None
+    errors = text.count("[Errno ")
+    if errors and text.count(f"[Errno {errno.ECONNREFUSED}]") == errors:
+        return ConnectionRefusedError(errno.ECONNREFUSED, text)
+    return None
+
+
+class UpstreamPool:
+    """Keep-alive connections to workers by (host, port), kept ``keepalive_s`` seconds idle."""
+
+    def __init__(self, connect_timeout: float | None, read_timeout: float | None, keepalive_s: float = 75.0) -> None:
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self.keepalive_s = keepalive_s
+        self._idle: dict[tuple, list[_Connection]] = {}
+        self._targets: dict[str, tuple[tuple, str, bytes]] = {}
+        self._next_sweep = time.monotonic() + keepalive_s
+        self.closed = False
+
+    @staticmethod
+    def handles(base_url: str) -> bool:
+        """Whether this client serves ``base_url`` (plain http; https is aiohttp's)."""
+        return base_url.startswith("http://")
+
+    def _target(self, base_url: str) -> tuple[tuple, str, bytes]:
+        target = self._targets.get(base_url)
+        if target is None:
+            parts = urlsplit(base_url)
+            port = parts.port or 80
+            host = parts.hostname or ""
+            host_header = parts.netloc.rsplit("@", 1)[-1]
+            if len(self._targets) >= 4096:  # workers come and go: never unbounded
+                self._targets.clear()
+            target = self._targets[base_url] = ((host, port), parts.path.rstrip("/"),
+                                                f"Host: {host_header}\r\n".encode("ascii"))
+        return target
+
+    async def post(self, base_url: str, path: str, body: bytes, headers: Mapping[str, str]) -> UpstreamResponse:
+        """POST ``body`` to ``base_url + path``; returns once the answer's headers are in."""
+        if self.closed:
+            raise RuntimeError("the upstream pool is closed")
+        key, prefix, host = self._target(base_url)
+        conn = await self._get(key)
+        response = UpstreamResponse(conn, self, key, self.read_timeout)
+        conn.response = response
+        try:
+            head = [b"POST ", (prefix + path).encode("ascii"), b" HTTP/1.1\r\n", host]
+            for name, value in headers.items():
+                if "\n" in value or "\r" in value or "\n" in name or "\r" in name:
+                    raise ValueError(f"a newline in header {name!r} (as aiohttp refuses it)")
+                head.append(f"{name}: {value}\r\n".encode("utf-8"))  # as aiohttp encodes them
+            head.append(b"Content-Length: %d\r\n\r\n" % len(body))
+            transport = conn.transport
+            assert transport is not None
+            if len(body) <= 64 * 1024:
+                transport.write(b"".join(head) + body)
+            else:  # no copy of a large body
+                transport.write(b"".join(head))
+                transport.write(body)
+            await response._start()
+        except BaseException:
+            response.close()
+            raise
+        return response
+
+    async def _get(self, key: tuple) -> _Connection:
+        idle = self._idle.get(key)
+        if idle:
+            stale = time.monotonic() - self.keepalive_s
+            while idle:
+                conn = idle.pop()
+                if not conn.lost and conn.idle_since > stale:
+                    return conn
+                conn.close()
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                _, conn = await loop.create_connection(_Connection, key[0], key[1])
+        except OSError as exc:
+            raise _refused_everywhere(exc) or exc
+        return conn
+
+    def _put(self, key: tuple, conn: _Connection) -> None:
+        if self.closed:
+            conn.close()
+            return
+        now = conn.idle_since = time.monotonic()
+        self._idle.setdefault(key, []).append(conn)
+        if now >= self._next_sweep:
+            self._sweep(now)
+
+    def _sweep(self, now: float) -> None:
+        """Close what idled past ``keepalive_s`` or was closed by its worker, and forget workers
+        with nothing left (addresses come and go: the pool must not grow with them)."""
+        self._next_sweep = now + self.keepalive_s
+        stale = now - self.keepalive_s
+        for key in list(self._idle):
+            keep = []
+            for conn in self._idle[key]:
+                if conn.lost or conn.idle_since <= stale:
+                    conn.close()
+                else:
+                    keep.append(conn)
+            if keep:
+                self._idle[key] = keep
+            else:
+                del self._idle[key]
+
+    def close(self) -> None:
+        """Close every idle connection; those in use close when released."""
+        self.closed = True
+        for conns in self._idle.values():
+            for conn in conns:
+                conn.close()
+        self._idle.clear()
