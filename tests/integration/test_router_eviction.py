@@ -44,11 +44,15 @@ async def test_an_evicted_prefix_is_no_longer_predicted_as_a_hit(tmp_path, redis
                     async with http.post(url + "/v1/completions",
                                          json={"model": "tiny", "prompt": text(word), "max_tokens": 1}) as resp:
                         assert resp.status == 200
-                # Every event the worker published so far (stored, then removed for the evicted
-                # blocks) has reached the router's index.
+                # The worker publishes its KV events after it answers: wait for the removal of the
+                # evicted tail of the prefix to reach the router, and for every event published
+                # by then to be applied (checking the stream's length alone raced the publisher).
                 stream = redis.Redis.from_url(redis_server_url)
-                await wait_until(lambda: ctx.state.events_applied == stream.xlen(redis_prefix + "kv_events"),
-                                 what="the router to apply every KV event")
+
+                def caught_up() -> bool:
+                    return (ctx.balancer.index.match(key.hashes, time.time()).get("small", 0) < 11
+                            and ctx.state.events_applied == stream.xlen(redis_prefix + "kv_events"))
+                await wait_until(caught_up, what="the router to know the tail of the prefix was evicted")
                 stream.close()
                 held = ctx.balancer.index.match(key.hashes, time.time()).get("small", 0)
                 assert held < 11  # the tail of the prefix was evicted and the router knows it
