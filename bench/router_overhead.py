@@ -48,6 +48,7 @@ from bench.peers.launch import DEFAULT_VENV
 from bench.peers.overhead import ROUTERS
 from bench.peers.overhead import measure as peers_overhead
 from bench.peers.overhead import report as peers_report
+from bench.peers.overhead import timed_completion
 from bench.stats import percentile
 from protocol.loopback import free_port, wait_http_ok
 
@@ -146,18 +147,7 @@ def cluster() -> Iterator[tuple[str, str, int, int, str, int]]:
 
 async def _one(http: aiohttp.ClientSession, url: str, stream: bool) -> float:
     """Seconds to the full answer (non-streaming) or to the first SSE event (streaming)."""
-    body = {**BODY, "stream": stream}
-    t0 = time.perf_counter()
-    async with http.post(url + "/v1/completions", json=body) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"{url}: HTTP {resp.status}: {await resp.text()}")
-        if stream:
-            await resp.content.readuntil(b"\n\n")
-            first = time.perf_counter() - t0
-            await resp.read()
-            return first
-        await resp.read()
-        return time.perf_counter() - t0
+    return await timed_completion(http, url, {**BODY, "stream": stream}, stream, url)
 
 
 async def paired(wurl: str, rurl: str, n: int, stream: bool) -> dict:

@@ -82,10 +82,16 @@ class Target:
 
 async def one(http: aiohttp.ClientSession, target: Target, i: int, stream: bool) -> float:
     """Seconds to the whole answer (non-streaming) or to the first SSE event (streaming)."""
+    return await timed_completion(http, target.next_url(), body_for(i, stream), stream, target.name)
+
+
+async def timed_completion(http: aiohttp.ClientSession, url: str, body: dict, stream: bool, name: str) -> float:
+    """POST ``body`` to ``url``/v1/completions: seconds to the whole answer, or to the first SSE
+    event when ``stream`` (a non-200 answer raises, naming ``name``)."""
     t0 = time.perf_counter()
-    async with http.post(target.next_url() + "/v1/completions", json=body_for(i, stream)) as resp:
+    async with http.post(url + "/v1/completions", json=body) as resp:
         if resp.status != 200:
-            raise RuntimeError(f"{target.name}: HTTP {resp.status}: {await resp.text()}")
+            raise RuntimeError(f"{name}: HTTP {resp.status}: {await resp.text()}")
         if stream:
             await resp.content.readuntil(b"\n\n")
             first = time.perf_counter() - t0
