@@ -13,9 +13,10 @@ import signal
 
 from aiohttp import web
 
-from protocol.http_errors import app_runner
+from protocol.http_errors import app_runner, error_middleware
 from router.http.admin import admin_app
 from router.http.api import CONTEXT, add_routes, middlewares, own_metrics
+from router.http.admission import RETRY_AFTER_S
 from router.http.siblings import HEADER_PROCESS, ProcessSlot, Siblings
 from router.config import RouterConfig
 from router.context import RouterContext, build_context, start, stop
@@ -45,7 +46,9 @@ def build_admin_app(ctx: RouterContext) -> web.Application:
 def build_control_app(ctx: RouterContext) -> web.Application:
     """What a process of ``--processes N`` serves its siblings on its control socket: its own
     metrics, and the admin API that replayed changes reach (not replayed again)."""
-    app = web.Application(middlewares=middlewares(()))
+    # Errors answered as on the port, but not counted: the answer a sibling gets is not a client's
+    # (each scrape and admin change would count once more per process).
+    app = web.Application(middlewares=[error_middleware(retry_after_s=RETRY_AFTER_S)])
     app[CONTEXT] = ctx
     app.router.add_get("/metrics", own_metrics)
     app.add_subapp("/admin/", admin_app(replicated=False))
@@ -82,7 +85,7 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, slot: Pro
         await site.start()
         if admin_runner is not None:
             await web.TCPSite(admin_runner, cfg.host, cfg.admin_port, reuse_address=True, reuse_port=shared).start()
-        if control_runner is not None and slot is not None:
+        if slot is not None and control_runner is not None:
             path = slot.socket(slot.index)
             if os.path.exists(path):
                 os.unlink(path)  # the socket of this slot's previous process (restarted)
