@@ -160,12 +160,12 @@ async def supervise(cfg: Any) -> int:
 def child_main(control_dir: str, index: int) -> int:
     """One router process: the supervisor's settings, the shared ports, its control socket."""
     from prefixlb.aio import run as run_loop
-    from prefixlb.commands.router import _load
+    from prefixlb.commands.router import settings_errors
     from prefixlb.log_format import configure_logging
     from router.app import serve
     from router.http.siblings import ProcessSlot
 
-    _, invalid = _load()
+    invalid = settings_errors()
 
     with open(os.path.join(control_dir, CONFIG_FILE), "rb") as f:
         cfg = pickle.load(f)  # written by our own supervisor, in a directory only this user can open

@@ -51,9 +51,9 @@ def error_middleware(map_exception: ExceptionMapper | None = None, *,
 
     ``map_exception`` maps the server's own exceptions (None: not one of them); ``on_error`` is
     told the status of every error answered, ``on_response`` that of every answer (success or
-    error; one middleware layer less than a counting middleware of its own); ``headers`` go on every response not yet sent
-    (success or error; the worker names itself); ``retry_after_s`` adds ``Retry-After`` to 429
-    and 503 errors. Redirects (``web.HTTPException`` below 400) pass through untouched.
+    error; one middleware layer less than a counting middleware of its own); ``headers`` go on
+    every response not yet sent (success or error; the worker names itself); ``retry_after_s``
+    adds ``Retry-After`` to 429 and 503 errors. Redirects (``web.HTTPException`` below 400) pass through untouched.
     """
     always = dict(headers or {})
 

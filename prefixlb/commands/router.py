@@ -16,13 +16,19 @@ per request: header X-Prefixlb-Affinity: 0..1 overrides --affinity
 """
 
 
-def _load():
-    from router.app import serve
+def settings_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions that mean "these settings cannot start a router" (exit 2)."""
     from router.fleet.backends import InvalidWorkerSpec
     from router.fleet.registry import InvalidWorkerURL
     from router.fleet.tokenizers import TokenizerLoadError
 
-    return _serve_or_supervise(serve), (InvalidWorkerURL, InvalidWorkerSpec, TokenizerLoadError)
+    return InvalidWorkerURL, InvalidWorkerSpec, TokenizerLoadError
+
+
+def _load():
+    from router.app import serve
+
+    return _serve_or_supervise(serve), settings_errors()
 
 
 def _serve_or_supervise(serve):

@@ -85,15 +85,14 @@ def usage_from_openai(usage: Mapping[str, Any] | None) -> Usage:
     """
     if not isinstance(usage, Mapping):
         return Usage()
-    count = _count
     details = usage.get("prompt_tokens_details")
-    cached = count(details.get("cached_tokens")) if isinstance(details, Mapping) else 0
+    cached = _count(details.get("cached_tokens")) if isinstance(details, Mapping) else 0
     if "cache_read_input_tokens" in usage or "cache_creation_input_tokens" in usage:
-        read, written = count(usage.get("cache_read_input_tokens")), count(usage.get("cache_creation_input_tokens"))
-        prompt = count(usage.get("input_tokens")) + read + written
-        return Usage(prompt, count(usage.get("output_tokens")), read, written)
-    prompt = count(usage.get("prompt_tokens"))
-    return Usage(prompt, count(usage.get("completion_tokens")), min(cached, prompt))
+        read, written = _count(usage.get("cache_read_input_tokens")), _count(usage.get("cache_creation_input_tokens"))
+        prompt = _count(usage.get("input_tokens")) + read + written
+        return Usage(prompt, _count(usage.get("output_tokens")), read, written)
+    prompt = _count(usage.get("prompt_tokens"))
+    return Usage(prompt, _count(usage.get("completion_tokens")), min(cached, prompt))
 
 
 def assume_full_prompt_writes(usage: Usage, price: HostedPrice, ttl: str = "5m") -> Usage:

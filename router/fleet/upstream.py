@@ -135,7 +135,8 @@ class UpstreamResponse:
         if state == _DONE:
             self._keep_alive = False  # more than one answer: never reuse this connection
             return
-        if not self._buf and (state == _UNTIL_EOF or (state in (_LENGTH, _CHUNK_DATA) and len(data) <= self._remaining)):
+        if not self._buf and (state == _UNTIL_EOF
+                              or (state in (_LENGTH, _CHUNK_DATA) and len(data) <= self._remaining)):
             # the common case of a body arriving: no copy through the parse buffer
             self._push(data)
             if state != _UNTIL_EOF:

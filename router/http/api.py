@@ -270,13 +270,14 @@ async def version_info(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     """``GET /metrics``: Prometheus exposition format."""
     ctx = request.app[CONTEXT]
-    if ctx.siblings is not None:  # --processes N: one view of them all (router/http/siblings.py)
-        theirs = await ctx.siblings.gather("GET", "/metrics")
-        texts = [(ctx.siblings.slot.index, ctx.metrics.render().decode())]
-        texts += [(i, body.decode()) for i, status, body in theirs if status == 200]
-        body = merge_metrics(sorted(texts), ctx.siblings.slot.count)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
-    return web.Response(body=ctx.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+    if ctx.siblings is None:
+        return await own_metrics(request)
+    # --processes N: one view of them all (router/http/siblings.py)
+    theirs = await ctx.siblings.gather("GET", "/metrics")
+    texts = [(ctx.siblings.slot.index, ctx.metrics.render().decode())]
+    texts += [(i, body.decode()) for i, status, body in theirs if status == 200]
+    body = merge_metrics(sorted(texts), ctx.siblings.slot.count)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
 async def own_metrics(request: web.Request) -> web.Response:

@@ -28,9 +28,10 @@ one breaker delay, not ``--read-timeout``.
 worker saying it is draining) count towards the worker's breaker, successes reset it.
 
 Streaming is passed through event by event (``router/http/sse.py``), never buffered; TCP_NODELAY is
-on (aiohttp sets it on the client's side, ``router/fleet/upstream.py`` on the workers' side). A client that disconnects cancels the handler (the
-server runs with handler cancellation), and closing the upstream response drops that
-connection, which aborts the request on the worker. Connections to workers are pooled.
+on (aiohttp sets it on the client's side, ``router/fleet/upstream.py`` on the workers' side). A
+client that disconnects cancels the handler (the server runs with handler cancellation), and
+closing the upstream response drops that connection, which aborts the request on the worker.
+Connections to workers are pooled.
 """
 from __future__ import annotations
 

@@ -180,11 +180,17 @@ def test_model_naming_an_adapter_a_worker_reports_is_routed_as_that_adapter():
     assert unknown.adapter is None
 
 
-def test_dispatches_count_requests_and_the_loads_they_cause_by_tier_and_finishing_releases_the_pin():
+def cold_on_home(adapter: str) -> tuple[Balancer, str]:
+    """A fleet where ``adapter`` is in host memory on its home worker only, in no slot; and the home."""
     b = make()
-    home = home_of(b, "tenant-2")
+    home = home_of(b, adapter)
     for w in WORKERS:
-        b.apply_report(report(w, cpu=["tenant-2"] if w == home else []), now=0.0)
+        b.apply_report(report(w, cpu=[adapter] if w == home else []), now=0.0)
+    return b, home
+
+
+def test_dispatches_count_requests_and_the_loads_they_cause_by_tier_and_finishing_releases_the_pin():
+    b, home = cold_on_home("tenant-2")
     p1, p2 = key("tenant-2", "a"), key("tenant-2", "b")
     k1 = b.dispatch(b.decide(p1, now=0.0), p1, now=0.0)
     k2 = b.dispatch(b.decide(p2, now=0.0), p2, now=0.0)
@@ -209,13 +215,11 @@ def test_dispatches_count_requests_and_the_loads_they_cause_by_tier_and_finishin
 def test_a_report_taken_before_the_worker_saw_a_finished_request_does_not_unload_its_adapter():
     # The race CI hit: a probe answered between the dispatch and the request reaching the worker
     # shows the adapter not yet loaded; after the request finished, the next one must not count a load.
-    b = make()
-    home = home_of(b, "tenant-2")
-    for w in WORKERS:
-        b.apply_report(report(w, cpu=["tenant-2"] if w == home else []), now=0.0)
+    b, home = cold_on_home("tenant-2")
     p1, p2 = key("tenant-2", "a"), key("tenant-2", "b")
     k1 = b.dispatch(b.decide(p1, now=1.0), p1, now=1.0)
-    b.apply_report(report(home, cpu=["tenant-2"], ts=1.5), now=1.5)  # taken after the dispatch, before it arrived
+    # taken after the dispatch, before the request arrived:
+    b.apply_report(report(home, cpu=["tenant-2"], ts=1.5), now=1.5)
     b.finish(k1, now=2.0)
     assert b.adapters.get(home).tier("tenant-2") == "gpu"
     k2 = b.dispatch(b.decide(p2, now=2.1), p2, now=2.1)

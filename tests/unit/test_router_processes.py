@@ -127,8 +127,13 @@ def test_the_settings_file_is_private():
 
     async def run_then_look():
         task = asyncio.create_task(sup.run())
-        await asyncio.sleep(0.3)
-        mode = os.stat(os.path.join(sup.dir, processes.CONFIG_FILE)).st_mode & 0o777
+        path = os.path.join(sup.dir, processes.CONFIG_FILE)
+        deadline = asyncio.get_running_loop().time() + 10
+        while sup.started < 1:  # the settings are written before the first process starts
+            assert asyncio.get_running_loop().time() < deadline, "no process started"
+            await asyncio.sleep(0.01)
+        assert os.path.exists(path)
+        mode = os.stat(path).st_mode & 0o777
         dir_mode = os.stat(sup.dir).st_mode & 0o777
         sup.stopping.set()
         return mode, dir_mode, await task
