@@ -80,12 +80,14 @@ def test_poison_in_every_key_stops_no_loop_and_a_valid_event_still_lands(cluster
         "evil-2": {"worker_id": "w0", "url": "http://127.0.0.1:2", "model": "tiny"},  # names w0 under its key
         "evil\r\n3": {"worker_id": "evil\r\n3", "url": "http://127.0.0.1:3", "model": "tiny"},
     }
-    for key, reg in poison_regs.items():
-        r.set(keys.worker(key), json.dumps(reg), ex=60)
-        r.zadd(keys.workers, {key: 1e12})
+    # The load reports first: a router that reads the ids before their reports are written drops
+    # the registrations and takes the ids out of the shared set, and would never read the reports.
     r.set(keys.load("evil-1"), json.dumps({"worker_id": "evil-1", "running": "1"}), ex=60)
     r.set(keys.load("evil-2"), json.dumps({"worker_id": "w0", "waiting": 10**6, "queued_prefill_tokens": 10**12,
                                            "prefill_tokens_per_s": 1.0}), ex=60)
+    for key, reg in poison_regs.items():
+        r.set(keys.worker(key), json.dumps(reg), ex=60)
+        r.zadd(keys.workers, {key: 1e12})
     # KV events: a bad ts, hashes out of range, not JSON at all (an unknown worker's events are
     # taken while the router tracks fewer than MAX_EVENT_SOURCES sources: a new worker's first
     # events may come before its registration is read)
