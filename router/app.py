@@ -15,7 +15,8 @@ from aiohttp import web
 
 from protocol.http_errors import app_runner, error_middleware
 from router.http.admin import admin_app
-from router.http.api import CONTEXT, add_routes, middlewares, own_metrics
+from router.http.api import CONTEXT, add_routes, chat_completions, completions, middlewares, own_metrics
+from router.http.front import Front
 from router.http.admission import RETRY_AFTER_S
 from router.http.siblings import HEADER_PROCESS, ProcessSlot, Siblings
 from router.config import RouterConfig
@@ -55,6 +56,48 @@ def build_control_app(ctx: RouterContext) -> web.Application:
     return app
 
 
+class Listener:
+    """The router's port: the fast front (``router/http/front.py``) in front of ``runner``'s
+    aiohttp server, or that server alone (``--no-fast-front``)."""
+
+    def __init__(self, runner: web.AppRunner, fast: bool) -> None:
+        self.runner = runner
+        self.front: Front | None = None
+        if fast:
+            assert runner.server is not None
+            self.front = runner.app[CONTEXT].front = Front(
+                runner.app, runner.server, {"/v1/completions": completions, "/v1/chat/completions": chat_completions})
+        self._server: asyncio.AbstractServer | None = None
+        self._site: web.TCPSite | None = None
+
+    async def start(self, host: str, port: int, reuse_port: bool = False) -> int:
+        """Listen on ``host:port``; returns the port bound (``port`` 0: a free one)."""
+        if self.front is None:
+            self._site = web.TCPSite(self.runner, host, port, backlog=1024, reuse_address=True, reuse_port=reuse_port)
+            await self._site.start()
+            server = self._site._server
+        else:
+            loop = asyncio.get_running_loop()
+            server = self._server = await loop.create_server(self.front, host, port, backlog=1024,
+                                                             reuse_address=True, reuse_port=reuse_port)
+        assert server is not None
+        return server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    async def stop_accepting(self) -> None:
+        """No new connections; those open are served on (for the shutdown grace)."""
+        if self._site is not None:
+            await self._site.stop()
+        if self._server is not None:
+            self._server.close()
+
+    async def close(self) -> None:
+        """Close every connection (the fast front's, then aiohttp's: the runner's cleanup)."""
+        await self.stop_accepting()
+        if self.front is not None:
+            await self.front.shutdown()
+        await self.runner.cleanup()
+
+
 def _stamp_process(index: int):
     async def stamp(request: web.Request, response: web.StreamResponse) -> None:
         response.headers[HEADER_PROCESS] = str(index)
@@ -80,9 +123,9 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, slot: Pro
     admin_runner = await app_runner(apps[1]) if cfg.admin_port is not None else None
     control_runner = await app_runner(build_control_app(ctx)) if slot is not None else None
     shared = slot is not None  # the N processes listen on the same ports
+    listener = Listener(runner, cfg.fast_front)
     try:
-        site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024, reuse_address=True, reuse_port=shared)
-        await site.start()
+        await listener.start(cfg.host, cfg.port, reuse_port=shared)
         if admin_runner is not None:
             await web.TCPSite(admin_runner, cfg.host, cfg.admin_port, reuse_address=True, reuse_port=shared).start()
         if slot is not None and control_runner is not None:
@@ -103,7 +146,7 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, slot: Pro
             ready.set()
         await stopping.wait()
         log.info("event=router_stopping")
-        await site.stop()  # no new connections; requests in flight get the grace period
+        await listener.stop_accepting()  # no new connections; requests in flight get the grace period
         await ctx.proxy.drain(cfg.shutdown_grace)
     finally:
         if control_runner is not None:
@@ -112,6 +155,6 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, slot: Pro
             await ctx.siblings.close()
         if admin_runner is not None:
             await admin_runner.cleanup()
-        await runner.cleanup()
+        await listener.close()
         await stop(ctx)
     return 0

@@ -138,6 +138,9 @@ class RouterConfig:
     processes: int = setting(1, "router processes sharing --port (SO_REUSEPORT) and state through --redis, one "
                              "/metrics view and one admin API; >1 needs --redis and a fixed --port "
                              '(docs/operations.md, "Several processes per router")', minimum=1, maximum=256)
+    fast_front: bool = setting(True, "serve plain POST /v1/completions and /v1/chat/completions with the router's "
+                               "lean HTTP/1.1 front (everything else, and --no-fast-front: aiohttp) "
+                               '(docs/operations.md, "The fast front")')
     shutdown_grace: float = setting(25.0, "seconds requests in flight may finish after SIGTERM; then open streams "
                                     "end with an SSE error event (shutting_down)", minimum=0.0)
     api_keys: list[str] = setting(list, "API key clients must send as 'Authorization: Bearer <key>' on "
@@ -234,7 +237,7 @@ def load_virtual_model_files(cfg: RouterConfig) -> tuple[dict, "PriceBook | None
 
 # `prefixlb router --help`, by topic (a setting in no group is listed under "other options").
 HELP_GROUPS: dict[str, tuple[str, ...]] = {
-    "listening, access and logs": ("host", "port", "processes", "admin_token", "admin_port", "api_keys",
+    "listening, access and logs": ("host", "port", "processes", "fast_front", "admin_token", "admin_port", "api_keys",
                                    "shutdown_grace", "log_level", "log_format"),
     "workers and discovery": ("workers", "worker_allow", "worker_api_key", "k8s_selector", "k8s_namespace",
                               "k8s_port", "tokenizers", "registry_interval", "registry_grace"),

@@ -73,6 +73,7 @@ class RouterContext:
     virtual_metrics: Any = None
     costs: CostAccounting = dataclasses.field(default_factory=CostAccounting)
     siblings: Any = None  # router/http/siblings.Siblings with --processes > 1
+    front: Any = None  # router/http/front.Front serving the port (None: aiohttp alone, or not listening)
     scoring_session: Any = None  # aiohttp session of route classifiers and verifier judges (opened on first use)
 
     def subscribe_kv_events(self, w: Worker) -> None:

@@ -55,6 +55,7 @@ from router.routing.policy import Decision, NoCapacity
 from router.routing.prompt import PromptKey
 from router.fleet.registry import WorkerRegistry
 from router.http.booking import BookedAttempt, book
+from router.http.front import stream_response
 from router.http.sse import EventTooLarge, UsageTap
 
 __all__ = ["Proxy", "ProxyRequest", "AccessRecord", "Overloaded", "RETRY_AFTER_S", "HEADER_WORKER",
@@ -380,8 +381,8 @@ class Proxy:
         worker_id = booking.decision.worker_id
         booking.first_byte()
         tap = UsageTap(strip=not preq.client_wants_usage)
-        response = web.StreamResponse(status=200, headers=self._headers(booking, upstream, preq.request_id,
-                                                                        preq.response_headers))
+        response = stream_response(request, 200, self._headers(booking, upstream, preq.request_id,
+                                                               preq.response_headers))
         completed = False
         try:
             await response.prepare(request)

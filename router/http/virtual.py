@@ -35,6 +35,7 @@ from router.virtual_models.classifier import RouteClassifier, resolve_route
 from router.virtual_models.config import CascadeModel, RouteModel
 from router.virtual_models.judges.build import JudgeRuntime
 from router.virtual_models.stream import sse_events
+from router.http.front import stream_response
 
 HEADER_VIRTUAL = "X-Prefixlb-Virtual-Model"
 HEADER_ANSWERED_BY = "X-Prefixlb-Answered-By"
@@ -184,8 +185,8 @@ async def _serve_cascade(request: web.Request, ctx: RouterContext, vm: CascadeMo
     headers = {**result.headers(), HEADER_VIRTUAL: vm.name, "X-Request-Id": request_id}
     if not parsed.stream:
         return web.json_response(result.body, headers=headers)
-    response = web.StreamResponse(status=200, headers={**headers, "Content-Type": "text/event-stream",
-                                                       "Cache-Control": "no-cache"})
+    response = stream_response(request, 200, {**headers, "Content-Type": "text/event-stream",
+                                              "Cache-Control": "no-cache"})
     await response.prepare(request)
     for event in sse_events(result.body, chat, parsed.include_usage):
         await response.write(event)

@@ -18,7 +18,8 @@ from typing import AsyncIterator
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from router.app import build_app
+from protocol.http_errors import app_runner
+from router.app import Listener, build_app
 from router.config import RouterConfig, load_router_config
 from router.context import RouterContext, build_context, start, stop
 from tests.support import free_port
@@ -171,12 +172,13 @@ async def running_router(*argv: str) -> AsyncIterator[tuple[RouterContext, str]]
     cfg: RouterConfig = load_router_config(list(argv), environ={})
     ctx = build_context(cfg)
     await start(ctx)
-    server = TestServer(build_app(ctx), host="127.0.0.1", port=free_port())
-    await server.start_server()
+    # Served as `prefixlb router` serves it: the fast front, then aiohttp (router/app.py's Listener).
+    listener = Listener(await app_runner(build_app(ctx)), cfg.fast_front)
+    port = await listener.start("127.0.0.1", 0)
     try:
-        yield ctx, str(server.make_url("")).rstrip("/")
+        yield ctx, f"http://127.0.0.1:{port}"
     finally:
-        await server.close()
+        await listener.close()
         await stop(ctx)
 
 

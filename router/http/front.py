@@ -1,0 +1,431 @@
+"""The router's port: a lean HTTP/1.1 front for the two inference endpoints, aiohttp for the rest.
+
+aiohttp's server costs ~90 µs of CPU per request before any handler runs (a bare asyncio
+``Protocol`` answering the same requests: ~15 µs), about a third of what the router spends on a
+proxied request. So the router's port is served by :class:`Front`: each connection starts as a
+:class:`FrontProtocol`, which reads requests itself when they are plain -- ``POST
+/v1/completions`` or ``POST /v1/chat/completions``, HTTP/1.1, an ASCII head, one
+``Content-Length`` of at most :data:`MAX_FAST_BODY` bytes, no ``Transfer-Encoding``, ``Expect``
+or ``Upgrade``, the whole head in hand and the body arriving within :data:`BODY_WAIT_S` -- and
+runs them through the same middlewares and handlers as aiohttp would (errors, API keys, counts,
+the ``--processes`` stamp), answering with the same status line and headers. Anything else (any
+other path or method, malformed or unusual HTTP, a slow body, a partial head) hands the
+connection to aiohttp *before a byte of that request is used*: the bytes read so far are fed to
+an aiohttp ``RequestHandler`` that takes the transport over, so every edge case keeps aiohttp's
+(tested) answer, and the connection stays aiohttp's from then on.
+
+Behaviours kept from aiohttp's server: a client that disconnects cancels its handler; keep-alive
+with a 75 s idle timeout; ``Connection: close`` honoured; pipelined requests answered in order;
+streams written chunked as they arrive, with back-pressure (a slow reader pauses the writer);
+``Date`` and ``Server`` headers; ``on_response_prepare`` signals. ``--no-fast-front`` serves the
+port with aiohttp alone.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import re
+from http import HTTPStatus
+from typing import Any, Awaitable, Callable, Mapping
+
+from aiohttp import web
+from aiohttp.helpers import rfc822_formatted_time
+from aiohttp.http import SERVER_SOFTWARE, HttpVersion11
+from multidict import CIMultiDict, CIMultiDictProxy
+
+log = logging.getLogger("prefixlb.router.front")
+
+MAX_FAST_BODY = 1 << 20  # larger bodies go to aiohttp, which checks them as they arrive
+MAX_FAST_HEAD = 8190  # a longer head goes to aiohttp (its limits, its 4xx: a line or field of 8,190 bytes)
+MAX_FAST_HEADERS = 64  # more header lines go to aiohttp (which refuses more than 128)
+BODY_WAIT_S = 0.1  # a body not all in within this after its head: aiohttp takes the connection
+KEEPALIVE_S = 75.0  # aiohttp's keepalive_timeout
+MAX_BUFFERED = 1 << 20  # bytes of pipelined requests held while one is answered; then reading pauses
+_TOKEN = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
+HEADER_BLOCK = re.compile(rf"(?:{_TOKEN}:[\t\x20-\x7e]*\r\n)*")  # the head after its request line
+HEADER = re.compile(rf"({_TOKEN}):[\t ]*([^\r]*)\r\n")  # (name, value) of each line (no trailing blank)
+CONTENT_LENGTH = re.compile(r"\r\ncontent-length:[\t ]*([^\r]*)")
+CONNECTION = re.compile(r"\r\nconnection:([^\r]*)(?=\r\n)")
+REASONS = {s.value: s.phrase for s in HTTPStatus}
+
+Handler = Callable[[Any], Awaitable[web.StreamResponse]]
+
+
+class FastBody:
+    """``request.content`` of a fast request: the whole body, already received."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: bytes) -> None:
+        self._data = data
+
+    def is_eof(self) -> bool:
+        return True
+
+    def read_nowait(self, n: int = -1) -> bytes:
+        data, self._data = self._data, b""
+        return data
+
+
+class FastRequest(dict):
+    """The part of ``web.Request`` the inference handlers and middlewares use (a dict, as a
+    ``web.Request`` is a mutable mapping for middlewares to note things in)."""
+
+    __slots__ = ("app", "config_dict", "headers", "path", "method", "content_length", "content",
+                 "keep_alive", "protocol")
+    version = HttpVersion11
+
+    def __init__(self, app: web.Application, path: str, headers: CIMultiDictProxy, body: bytes,
+                 keep_alive: bool, protocol: "FrontProtocol") -> None:
+        super().__init__()
+        self.app = self.config_dict = app
+        self.path = path
+        self.method = "POST"
+        self.headers = headers
+        self.content_length = len(body)
+        self.content = FastBody(body)
+        self.keep_alive = keep_alive
+        self.protocol = protocol
+
+
+def stream_response(request: Any, status: int, headers: Mapping[str, str]) -> web.StreamResponse:
+    """A streamed answer to ``request``: aiohttp's ``StreamResponse``, or, for a request the fast
+    front reads, a :class:`FastStream` with the same ``prepare`` / ``write`` / ``write_eof``."""
+    if isinstance(request, FastRequest):
+        return FastStream(status, headers)  # type: ignore[return-value]
+    return web.StreamResponse(status=status, headers=headers)
+
+
+class FastStream:
+    """A chunked response written straight to a :class:`FrontProtocol`'s transport."""
+
+    __slots__ = ("status", "reason", "headers", "prepared", "keep_alive", "_protocol", "_eof")
+
+    def __init__(self, status: int, headers: Mapping[str, str]) -> None:
+        self.status = status
+        self.reason = REASONS.get(status, "")
+        self.headers = CIMultiDict(headers)
+        self.prepared = False
+        self.keep_alive: bool | None = None
+        self._protocol: FrontProtocol | None = None
+        self._eof = False
+
+    async def prepare(self, request: FastRequest) -> None:
+        if self.prepared:
+            return
+        self._protocol = protocol = request.protocol
+        headers = self.headers
+        headers["Transfer-Encoding"] = "chunked"
+        keep_alive = self.keep_alive = request.keep_alive if self.keep_alive is None else self.keep_alive
+        await _prepare_headers(request, self, headers, keep_alive)
+        self.prepared = True
+        protocol.write(_head(self.status, self.reason, headers))
+
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self._eof:
+            raise RuntimeError("Cannot call write() after write_eof()")
+        if not data:
+            return
+        protocol = self._protocol
+        assert protocol is not None, "prepare() first"
+        protocol.write(b"%x\r\n%b\r\n" % (len(data), data))
+        if protocol.paused:
+            await protocol.drain()
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        if self._eof:
+            return
+        if data:
+            await self.write(data)
+        self._eof = True
+        protocol = self._protocol
+        assert protocol is not None, "prepare() first"
+        protocol.write(b"0\r\n\r\n")
+        if protocol.paused:
+            await protocol.drain()
+
+
+async def _prepare_headers(request: FastRequest, response: Any, headers: CIMultiDict, keep_alive: bool) -> None:
+    """What aiohttp's ``StreamResponse._prepare_headers`` and the app's prepare hook add."""
+    if "Date" not in headers:
+        headers["Date"] = rfc822_formatted_time()
+    headers.setdefault("Server", SERVER_SOFTWARE)
+    if not keep_alive and "Connection" not in headers:
+        headers["Connection"] = "close"
+    signal = request.app.on_response_prepare
+    if len(signal):
+        await signal.send(request, response)
+
+
+def _head(status: int, reason: str, headers: Mapping[str, str]) -> bytes:
+    """The status line and headers, as aiohttp serialises them (refusing a newline in either)."""
+    lines = [f"HTTP/1.1 {status} {reason}\r\n"]
+    for name, value in headers.items():
+        if "\n" in value or "\r" in value or "\n" in name or "\r" in name:
+            raise ValueError(f"Newline or carriage return character detected in HTTP header {name!r}")
+        lines.append(f"{name}: {value}\r\n")
+    lines.append("\r\n")
+    return "".join(lines).encode("utf-8")
+
+
+def _parse_head(head: bytes, paths: Mapping[str, Any]) -> tuple[str, CIMultiDictProxy, int, bool] | None:
+    """``(path, headers, content_length, keep_alive)`` of a request head the fast path serves
+    (``POST`` of one of ``paths``), or None (aiohttp's). Strict: anything unusual is aiohttp's to
+    judge. Each check is one scan in C (this runs for every request)."""
+    if not head.isascii():
+        return None
+    text = head.decode("ascii")
+    end = text.find("\r\n")
+    if end < 0 or not text.startswith("POST ") or not text.endswith(" HTTP/1.1", 0, end):
+        return None
+    path = text[5:end - 9]
+    if path not in paths:
+        return None
+    block = text[end + 2:] + "\r\n"
+    if block.count("\n") > MAX_FAST_HEADERS or not HEADER_BLOCK.fullmatch(block):
+        return None  # control characters, obs-fold, a name that is no token
+    if " \r\n" in block or "\t\r\n" in block:
+        return None  # a value with trailing blanks (aiohttp trims them)
+    lower = "\r\n" + block.lower()
+    if "\r\ntransfer-encoding:" in lower or "\r\nexpect:" in lower or "\r\nupgrade:" in lower:
+        return None
+    lengths = CONTENT_LENGTH.findall(lower)
+    if len(lengths) != 1 or not lengths[0].isdigit() or len(lengths[0]) > 12:
+        return None
+    length = int(lengths[0])
+    if length > MAX_FAST_BODY:
+        return None
+    keep_alive = True
+    if "\r\nconnection:" in lower:
+        tokens = {t.strip() for value in CONNECTION.findall(lower) for t in value.split(",")}
+        if "upgrade" in tokens:
+            return None
+        keep_alive = "close" not in tokens
+    return path, CIMultiDictProxy(CIMultiDict(HEADER.findall(block))), length, keep_alive
+
+
+class Front:
+    """Protocol factory for the router's port (``loop.create_server(front, ...)``)."""
+
+    def __init__(self, app: web.Application, aiohttp_server: web.Server,
+                 routes: Mapping[str, Handler]) -> None:
+        self.app = app
+        self.aiohttp_server = aiohttp_server
+        chain: Callable[[Handler], Handler] = lambda h: h  # noqa: E731
+        for middleware in reversed(app.middlewares):
+            chain = functools.partial(_wrap, middleware, chain)
+        self.handlers = {path: chain(handler) for path, handler in routes.items()}
+        self.connections: set[FrontProtocol] = set()
+        self.requests = 0  # served on the fast path (tests and the benchmark read it)
+        self.handed_over = 0  # connections given to aiohttp
+
+    def __call__(self) -> "FrontProtocol":
+        return FrontProtocol(self)
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Close every connection: idle ones now, busy ones once their answer is out (at most
+        ``timeout`` seconds; the proxy's drain has ended their requests by then)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        for conn in list(self.connections):
+            conn.closing = True
+            if conn.task is None:
+                conn.close()
+        while self.connections and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        for conn in list(self.connections):
+            conn.close()
+
+
+def _wrap(middleware: Any, inner: Callable[[Handler], Handler], handler: Handler) -> Handler:
+    return functools.partial(middleware, handler=inner(handler))
+
+
+class FrontProtocol(asyncio.Protocol):
+    """One client connection while the fast path serves it (see the module docstring)."""
+
+    def __init__(self, front: Front) -> None:
+        self.front = front
+        self.transport: asyncio.Transport | None = None
+        self.buffer = b""
+        self.task: asyncio.Task | None = None
+        self.paused = False  # the client reads slower than we write
+        self.reading_paused = False
+        self.closing = False
+        self.lost = False
+        self._drain: asyncio.Future | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._waiting_body = False
+
+    # -- asyncio.Protocol ------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.front.connections.add(self)
+        self._idle()
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer = self.buffer + data if self.buffer else data
+        if self.task is not None:  # pipelined behind the request being answered
+            if len(self.buffer) > MAX_BUFFERED and not self.reading_paused:
+                self.reading_paused = True
+                self.transport.pause_reading()  # type: ignore[union-attr]
+            return
+        self._next()
+
+    def eof_received(self) -> bool | None:
+        return None  # as aiohttp: the transport closes, a handler in progress is cancelled
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.lost = True
+        self.front.connections.discard(self)
+        self._cancel_timer()
+        if self.task is not None:
+            self.task.cancel()  # the client went away: its handler stops (as aiohttp's handler_cancellation)
+        self._wake(ConnectionResetError("Connection lost"))
+
+    def pause_writing(self) -> None:
+        self.paused = True
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        self._wake(None)
+
+    # -- writing ---------------------------------------------------------------------------------
+    def write(self, data: bytes) -> None:
+        transport = self.transport
+        if self.lost or transport is None or transport.is_closing():
+            raise ConnectionResetError("Cannot write to closing transport")
+        transport.write(data)
+
+    async def drain(self) -> None:
+        if self.lost:
+            raise ConnectionResetError("Connection lost")
+        if not self.paused:
+            return
+        waiter = self._drain
+        if waiter is None:
+            waiter = self._drain = asyncio.get_running_loop().create_future()
+        await waiter
+
+    def _wake(self, exc: BaseException | None) -> None:
+        waiter, self._drain = self._drain, None
+        if waiter is not None and not waiter.done():
+            if exc is None:
+                waiter.set_result(None)
+            else:
+                waiter.set_exception(exc)
+
+    def close(self) -> None:
+        self._cancel_timer()
+        if self.transport is not None:
+            self.transport.close()
+
+    # -- requests --------------------------------------------------------------------------------
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _idle(self) -> None:
+        self._cancel_timer()
+        self._timer = asyncio.get_running_loop().call_later(KEEPALIVE_S, self.close)
+
+    def _next(self) -> None:
+        """Serve the request at the start of the buffer, or hand the connection to aiohttp."""
+        buffer = self.buffer
+        if not buffer:
+            return
+        end = buffer.find(b"\r\n\r\n", 0, MAX_FAST_HEAD)
+        handlers = self.front.handlers
+        parsed = _parse_head(buffer[:end], handlers) if end > 0 else None
+        if parsed is None:
+            self._handover()
+            return
+        handler = handlers[parsed[0]]
+        _, headers, length, keep_alive = parsed
+        start = end + 4
+        if len(buffer) < start + length:
+            if not self._waiting_body:
+                self._waiting_body = True
+                self._cancel_timer()
+                self._timer = asyncio.get_running_loop().call_later(BODY_WAIT_S, self._handover)
+            return
+        self._cancel_timer()
+        self._waiting_body = False
+        body = buffer[start:start + length]
+        self.buffer = buffer[start + length:]
+        request = FastRequest(self.front.app, parsed[0], headers, body, keep_alive, self)
+        self.front.requests += 1
+        self.task = asyncio.get_running_loop().create_task(self._serve(request, handler))
+
+    def _handover(self) -> None:
+        """aiohttp takes this connection, with every byte not yet used (from the current
+        request's first byte on)."""
+        self._cancel_timer()
+        self._waiting_body = False
+        transport = self.transport
+        if self.lost or transport is None or transport.is_closing():
+            return
+        self.front.connections.discard(self)
+        self.front.handed_over += 1
+        handler = self.front.aiohttp_server()
+        transport.set_protocol(handler)
+        handler.connection_made(transport)
+        if self.reading_paused:
+            transport.resume_reading()
+        data, self.buffer = self.buffer, b""
+        if data:
+            handler.data_received(data)
+        self.transport = None
+
+    async def _serve(self, request: FastRequest, handler: Handler) -> None:
+        keep_alive = request.keep_alive
+        try:
+            response = await handler(request)
+            if isinstance(response, FastStream):
+                keep_alive = bool(response.keep_alive) and response._eof
+            else:
+                keep_alive = await self._answer(request, response)
+        except asyncio.CancelledError:
+            self.task = None
+            if not self.lost:
+                self.close()
+            raise
+        except ConnectionError:
+            keep_alive = False
+        except Exception:  # noqa: BLE001 - the error middleware answers everything a handler raises
+            log.exception("event=front_answer_failed path=%s", request.path)
+            keep_alive = False
+            try:
+                self.write(_head(500, "Internal Server Error", {"Content-Length": "0", "Connection": "close"}))
+            except ConnectionError:
+                pass
+        self.task = None
+        if self.lost:
+            return
+        if not keep_alive or self.closing:
+            self.close()
+            return
+        if self.reading_paused:
+            self.reading_paused = False
+            self.transport.resume_reading()  # type: ignore[union-attr]
+        self._idle()
+        self._next()
+
+    async def _answer(self, request: FastRequest, response: web.StreamResponse) -> bool:
+        """Write a whole (not streamed) response as aiohttp would; whether to keep the connection."""
+        if response.prepared:
+            raise RuntimeError("a fast request's response was prepared by aiohttp")
+        body = response.body if isinstance(response, web.Response) else None
+        if body is not None and not isinstance(body, (bytes, bytearray)):
+            raise TypeError(f"unsupported body type {type(body).__name__} on the fast path")
+        headers = response.headers
+        headers["Content-Length"] = str(len(body) if body else 0)
+        if body:
+            headers.setdefault("Content-Type", "application/octet-stream")
+        keep_alive = request.keep_alive if response.keep_alive is None else response.keep_alive
+        await _prepare_headers(request, response, headers, keep_alive)
+        head = _head(response.status, response.reason, headers)
+        self.write(head + body if body else head)
+        return keep_alive
