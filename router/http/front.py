@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import re
 from http import HTTPStatus
@@ -33,6 +34,8 @@ from aiohttp import web
 from aiohttp.helpers import rfc822_formatted_time
 from aiohttp.http import SERVER_SOFTWARE, HttpVersion11
 from multidict import CIMultiDict, CIMultiDictProxy
+
+from protocol.openai_errors import SERVER_ERROR, error_body
 
 log = logging.getLogger("prefixlb.router.front")
 
@@ -115,6 +118,7 @@ class FastStream:
         if self.prepared:
             return
         self._protocol = protocol = request.protocol
+        protocol.head_sent = True
         headers = self.headers
         headers["Transfer-Encoding"] = "chunked"
         keep_alive = self.keep_alive = request.keep_alive if self.keep_alive is None else self.keep_alive
@@ -257,6 +261,7 @@ class FrontProtocol(asyncio.Protocol):
         self._drain: asyncio.Future | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._waiting_body = False
+        self.head_sent = False  # the current request's answer has begun
 
     # -- asyncio.Protocol ------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -353,6 +358,7 @@ class FrontProtocol(asyncio.Protocol):
             return
         self._cancel_timer()
         self._waiting_body = False
+        self.head_sent = False
         body = buffer[start:start + length]
         self.buffer = buffer[start + length:]
         request = FastRequest(self.front.app, parsed[0], headers, body, keep_alive, self)
@@ -397,10 +403,14 @@ class FrontProtocol(asyncio.Protocol):
         except Exception:  # noqa: BLE001 - the error middleware answers everything a handler raises
             log.exception("event=front_answer_failed path=%s", request.path)
             keep_alive = False
-            try:
-                self.write(_head(500, "Internal Server Error", {"Content-Length": "0", "Connection": "close"}))
-            except ConnectionError:
-                pass
+            if not self.head_sent:
+                body = json.dumps(error_body("Internal server error", SERVER_ERROR)).encode()
+                try:
+                    self.write(_head(500, "Internal Server Error", {
+                        "Content-Type": "application/json; charset=utf-8", "Content-Length": str(len(body)),
+                        "Connection": "close"}) + body)
+                except ConnectionError:
+                    pass
         self.task = None
         if self.lost:
             return
@@ -415,8 +425,11 @@ class FrontProtocol(asyncio.Protocol):
 
     async def _answer(self, request: FastRequest, response: web.StreamResponse) -> bool:
         """Write a whole (not streamed) response as aiohttp would; whether to keep the connection."""
-        if response.prepared:
-            raise RuntimeError("a fast request's response was prepared by aiohttp")
+        if response.prepared or self.head_sent:
+            # a second answer after a stream began (aiohttp: "Response is sent already"): the
+            # stream is cut (the client sees it unterminated), never followed by another head
+            log.warning("event=front_second_response path=%s status=%d", request.path, response.status)
+            return False
         body = response.body if isinstance(response, web.Response) else None
         if body is not None and not isinstance(body, (bytes, bytearray)):
             raise TypeError(f"unsupported body type {type(body).__name__} on the fast path")
