@@ -112,7 +112,9 @@ class SimRouter:
         num_bytes = req.num_prompt - 1 if req.num_prompt > 1 else req.num_prompt
         data = req.index.to_bytes(8, "little")  # stands in for a prompt shorter than one unit
         key = ring_key_of(data, req.block_hashes, 0, max(1, -(-self.cfg.ring_key_bytes // self.unit)), req.session)
-        return PromptKey(SIM_MODEL, num_bytes, req.block_hashes, key, req.session, adapter=req.lora_name)
+        # positional (model, num_bytes, hashes, ring_key, session_key, chat, tokens, known_cached,
+        # adapter): a keyword would make CPython 3.11 pack the call into a dict, once per request
+        return PromptKey(SIM_MODEL, num_bytes, req.block_hashes, key, req.session, False, None, None, req.lora_name)
 
     def route(self, req: SimRequest, now: float) -> Decision:
         """Choose a worker for ``req`` and book it (raises ``NoCapacity`` like the router)."""
