@@ -83,15 +83,18 @@ def observe_decode_run(speed: SpeedMeter, overhead: float, c0: float, c1: float,
     """Fold the run's ``k`` steps into ``speed`` as ``k`` calls of ``speed.observe(t_i, 0, batch)`` would."""
     if k <= 0:
         return
-    first = overhead + max(c0, m0)
-    last = overhead + max(c0 + c1 * (k - 1), m0 + m1 * (k - 1))
+    # max() and min() written out (b if b > a else a is max(a, b), a if b < a... min): a call each
+    # of the millions of runs a simulation folds.
+    first = overhead + (m0 if m0 > c0 else c0)
+    c_last, m_last = c0 + c1 * (k - 1), m0 + m1 * (k - 1)
+    last = overhead + (m_last if m_last > c_last else c_last)
     est = speed.decode_step_s if speed.decode_measured else first
     # The estimate stays between its start and the samples, which grow with i (c1, m1 >= 0): if
     # no sample is max_jump off any such value, the meter's clipping never acts. (The margin
     # keeps rounding from deciding.)
     jump = speed.max_jump * (1.0 - 1e-9)
-    if batch <= 0 or c1 < 0 or m1 < 0 or first <= 0 or max(est, last) > jump * first or \
-            last > jump * min(est, first):
+    if batch <= 0 or c1 < 0 or m1 < 0 or first <= 0 or (last if last > est else est) > jump * first or \
+            last > jump * (first if first < est else est):
         for i in range(k):
             speed.observe(overhead + max(c0 + c1 * i, m0 + m1 * i), 0, batch)
         return
@@ -99,7 +102,8 @@ def observe_decode_run(speed: SpeedMeter, overhead: float, c0: float, c1: float,
     keep = 1.0 - alpha
     start = 0 if speed.decode_measured else 1  # an unmeasured meter takes its first sample as is
     for a, b, i0, i1 in _pieces(c0, c1, m0, m1, k):
-        i0 = max(i0, start)
+        if start > i0:
+            i0 = start
         if i1 <= i0:
             continue
         base = overhead + a

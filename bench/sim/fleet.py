@@ -237,13 +237,15 @@ def _simulate(workload: Workload, cfg: FleetConfig, progress: Callable[[int], No
                         heappush(delayed, (when + hop, seq, on_first_token, (req, when + hop)))
                     else:
                         on_first_token(req, when)
-            for kind, hashes, medium in w.take_kv_events():
-                if kv_delay:
-                    seq += 1
-                    heappush(delayed, (when + kv_delay, seq, on_kv,
-                                       (w.worker_id, kind, hashes, when + kv_delay, medium)))
-                else:
-                    on_kv(w.worker_id, kind, hashes, when, medium)
+            # Most steps emit no KV event: the pool's pending list read, not taken, until one does.
+            if w.pool._events:
+                for kind, hashes, medium in w.take_kv_events():
+                    if kv_delay:
+                        seq += 1
+                        heappush(delayed, (when + kv_delay, seq, on_kv,
+                                           (w.worker_id, kind, hashes, when + kv_delay, medium)))
+                    else:
+                        on_kv(w.worker_id, kind, hashes, when, medium)
             if w.finished:
                 for req in w.take_finished():
                     if hop:

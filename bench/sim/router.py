@@ -26,6 +26,7 @@ from router.routing.prompt import DEFAULT_RING_KEY_CHUNKS, PromptKey, ring_key_o
 from bench.sim.worker import SimRequest, SimWorker
 
 SIM_MODEL = "sim"
+_init_report = LoadReport.__init__
 
 
 @dataclass(slots=True)
@@ -111,7 +112,9 @@ class SimRouter:
         num_bytes = req.num_prompt - 1 if req.num_prompt > 1 else req.num_prompt
         data = req.index.to_bytes(8, "little")  # stands in for a prompt shorter than one unit
         key = ring_key_of(data, req.block_hashes, 0, max(1, -(-self.cfg.ring_key_bytes // self.unit)), req.session)
-        return PromptKey(SIM_MODEL, num_bytes, req.block_hashes, key, req.session, adapter=req.lora_name)
+        # positional (model, num_bytes, hashes, ring_key, session_key, chat, tokens, known_cached,
+        # adapter): a keyword would make CPython 3.11 pack the call into a dict, once per request
+        return PromptKey(SIM_MODEL, num_bytes, req.block_hashes, key, req.session, False, None, None, req.lora_name)
 
     def route(self, req: SimRequest, now: float) -> Decision:
         """Choose a worker for ``req`` and book it (raises ``NoCapacity`` like the router)."""
@@ -147,8 +150,21 @@ class SimRouter:
     @staticmethod
     def make_report(worker: SimWorker, now: float, prefill_tokens_per_s: float, decode_step_s: float) -> LoadReport:
         """The load report ``worker`` sends at ``now`` (with its adapters, as the worker reports them)."""
-        lora = {}
-        if worker.lora is not None:
+        lora = worker.lora
+        tier = worker.tier
+        pool = worker.pool
+        # LoadReport.__init__ called directly (calling the class with keywords packs them into a
+        # dict and unpacks it again, CPython 3.11): once per worker per heartbeat.
+        report = object.__new__(LoadReport)
+        _init_report(
+            report, worker_id=worker.worker_id, running=len(worker.running), waiting=len(worker.waiting),
+            queued_prefill_tokens=worker.queued_prefill_tokens, running_tokens=worker.running_tokens,
+            free_blocks=pool.get_num_free_blocks(), total_blocks=pool.num_blocks,
+            capacity_tokens=pool.num_blocks * worker.unit,
+            max_num_seqs=worker.max_num_seqs, max_num_batched_tokens=worker.max_num_batched_tokens,
+            prefill_tokens_per_s=prefill_tokens_per_s, decode_step_s=decode_step_s, ts=now,
+            kv_tier_load_tokens_per_s=tier.stats().load_tokens_per_s if tier is not None else 0.0)
+        if lora is not None:
             running: dict[str, int] = {}
             waiting: dict[str, int] = {}
             for req in worker.running:
@@ -157,18 +173,14 @@ class SimRouter:
             for req in worker.waiting:
                 if req.lora_name is not None:
                     waiting[req.lora_name] = waiting.get(req.lora_name, 0) + 1
-            lora = dict(max_loras=worker.lora.max_loras, lora_gpu=worker.lora.gpu(), lora_cpu=worker.lora.cpu(),
-                        lora_running=running, lora_waiting=waiting, lora_disk_load_s=worker.lora.disk_load_s,
-                        lora_slot_load_s=worker.lora.slot_load_s)
-        return LoadReport(
-            worker_id=worker.worker_id, running=len(worker.running), waiting=len(worker.waiting),
-            queued_prefill_tokens=worker.queued_prefill_tokens, running_tokens=worker.running_tokens,
-            free_blocks=worker.pool.get_num_free_blocks(), total_blocks=worker.pool.num_blocks,
-            capacity_tokens=worker.pool.num_blocks * worker.unit,
-            max_num_seqs=worker.max_num_seqs, max_num_batched_tokens=worker.max_num_batched_tokens,
-            prefill_tokens_per_s=prefill_tokens_per_s, decode_step_s=decode_step_s, ts=now,
-            kv_tier_load_tokens_per_s=worker.tier.stats().load_tokens_per_s if worker.tier is not None else 0.0,
-            **lora)
+            report.max_loras = lora.max_loras
+            report.lora_gpu = lora.gpu()
+            report.lora_cpu = lora.cpu()
+            report.lora_running = running
+            report.lora_waiting = waiting
+            report.lora_disk_load_s = lora.disk_load_s
+            report.lora_slot_load_s = lora.slot_load_s
+        return report
 
     def apply_report(self, report: LoadReport, now: float) -> None:
         """The router reads ``report`` at ``now`` (it may be older: stamped with its ``ts``)."""

@@ -198,11 +198,11 @@ class SimWorker:
             # A decode run in flight is cut after the step in progress at ``now``: the new
             # request joins the batch from the next step on, as in the engine.
             c0, c1, m0, m1, k = self._run
-            done = self._steps_done_by(now - self._start, c0, c1, m0, m1, k)
+            done = decode_steps_done_by(now - self._start, self._oh, c0, c1, m0, m1, k)
             m = min(k, done + 1)
             if m < k:
                 self._run = (c0, c1, m0, m1, m)
-                self._end = self._start + self._run_time(c0, c1, m0, m1, m)
+                self._end = self._start + decode_run_time(self._oh, c0, c1, m0, m1, m)
                 self.version += 1
                 return self._end
         return None
@@ -270,7 +270,7 @@ class SimWorker:
         if run is not None:
             self._batch = list(self.running)
             self._run = run
-            self._end = now + self._run_time(*run)
+            self._end = now + decode_run_time(self._oh, *run)
             return self._end
         batch, shape = self._schedule()
         if not batch and not self._decodes:  # (AggregateWorker's batch lists prefill chunks only)

@@ -336,9 +336,16 @@ class Balancer:
         new, init = object.__new__, Candidate.__init__
         known = prompt.known_cached or {}
         tiered = len(self.cpu_index) > 0
+        # A _DepthLookup answers its longest matches as a dict would, and looks any other worker up.
+        plain_get = dict.get if type(matches) is _DepthLookup else None
         for worker_id in ids:
             w = load_of(worker_id)
-            matched = matches.get(worker_id, 0)
+            if plain_get is None:
+                matched = matches.get(worker_id, 0)
+            else:
+                matched = plain_get(matches, worker_id)
+                if matched is None:
+                    matched = matches.get(worker_id, 0)
             cached = 0
             if worker_id in known:
                 cached = known[worker_id]
