@@ -46,6 +46,11 @@ MAX_HEADERS = 128
 MAX_CHUNK_LINE = 4096  # a chunk-size line, extensions included
 _STATUS_LINE = re.compile(r"HTTP/1\.([01]) ([1-9][0-9][0-9])(?: [^\r\n]*)?")
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+# The header lines after the status line, each with its CRLF: valid as a whole (one scan in C),
+# then cut into (name, value) pairs by one findall -- the same pairs as the line-by-line loop
+# gives whenever no value ends with a blank (the loop's strip); otherwise the loop runs.
+_HEADER_BLOCK = re.compile(r"(?:[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[^\r\n]*\r\n)*")
+_HEADER = re.compile(r"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[\t ]*([^\r\n]*)\r\n")
 _NO_HEADERS: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())  # until the answer's are in
 _HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_CRLF, _TRAILERS, _UNTIL_EOF, _DONE = range(8)
 
@@ -220,22 +225,28 @@ class UpstreamResponse:
             del buf[:pos]
 
     def _head(self, head: bytes) -> None:
-        lines = head.decode("utf-8", "surrogateescape").split("\r\n")
-        status = _STATUS_LINE.fullmatch(lines[0])
+        text = head.decode("utf-8", "surrogateescape")
+        end = text.find("\r\n")
+        first = text if end < 0 else text[:end]
+        status = _STATUS_LINE.fullmatch(first)
         if status is None:
-            raise UpstreamProtocolError(f"invalid status line {lines[0][:64]!r}")
-        if len(lines) - 1 > MAX_HEADERS:
+            raise UpstreamProtocolError(f"invalid status line {first[:64]!r}")
+        block = "" if end < 0 else text[end + 2:] + "\r\n"
+        if block.count("\r\n") > MAX_HEADERS:
             raise UpstreamProtocolError("the worker sent too many headers")
         code = int(status.group(2))
         if 100 <= code < 200:  # an interim answer (100 Continue, 103): the real one follows
             return
-        headers: CIMultiDict[str] = CIMultiDict()
-        token = _TOKEN.fullmatch
-        for line in lines[1:]:
-            name, sep, value = line.partition(":")
-            if not sep or token(name) is None:
-                raise UpstreamProtocolError(f"invalid header line {line[:64]!r}")
-            headers.add(name, value.strip(" \t"))
+        if _HEADER_BLOCK.fullmatch(block) and " \r\n" not in block and "\t\r\n" not in block:
+            headers: CIMultiDict[str] = CIMultiDict(_HEADER.findall(block))
+        else:
+            headers = CIMultiDict()
+            token = _TOKEN.fullmatch
+            for line in text.split("\r\n")[1:]:
+                name, sep, value = line.partition(":")
+                if not sep or token(name) is None:
+                    raise UpstreamProtocolError(f"invalid header line {line[:64]!r}")
+                headers.add(name, value.strip(" \t"))
         self.status = code
         self.headers = CIMultiDictProxy(headers)
         connection = headers.get("Connection", "").lower()
@@ -427,12 +438,14 @@ class UpstreamPool:
         response = UpstreamResponse(conn, self, key, self.read_timeout)
         conn.response = response
         try:
-            head = [b"POST ", (prefix + path).encode("ascii"), b" HTTP/1.1\r\n", host]
-            for name, value in headers.items():
-                if "\n" in value or "\r" in value or "\n" in name or "\r" in name:
-                    raise ValueError(f"a newline in header {name!r} (as aiohttp refuses it)")
-                head.append(f"{name}: {value}\r\n".encode("utf-8"))  # as aiohttp encodes them
-            head.append(b"Content-Length: %d\r\n\r\n" % len(body))
+            lines = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
+            if lines.count("\n") != len(headers) or lines.count("\r") != len(headers):
+                for name, value in headers.items():
+                    if "\n" in value or "\r" in value or "\n" in name or "\r" in name:
+                        raise ValueError(f"a newline in header {name!r} (as aiohttp refuses it)")
+            head = [b"POST ", (prefix + path).encode("ascii"), b" HTTP/1.1\r\n", host,
+                    lines.encode("utf-8"),  # as aiohttp encodes them
+                    b"Content-Length: %d\r\n\r\n" % len(body)]
             transport = conn.transport
             assert transport is not None
             if len(body) <= 64 * 1024:
