@@ -101,9 +101,11 @@ def stream_response(request: Any, status: int, headers: Mapping[str, str]) -> we
 
 
 class FastStream:
-    """A chunked response written straight to a :class:`FrontProtocol`'s transport."""
+    """A chunked response written straight to a :class:`FrontProtocol`'s transport. Its head goes
+    out with its first bytes (one write, one segment: the client's first event comes sooner), or
+    with the end of a stream that had none."""
 
-    __slots__ = ("status", "reason", "headers", "prepared", "keep_alive", "_protocol", "_eof")
+    __slots__ = ("status", "reason", "headers", "prepared", "keep_alive", "_protocol", "_eof", "_head")
 
     def __init__(self, status: int, headers: Mapping[str, str]) -> None:
         self.status = status
@@ -113,29 +115,35 @@ class FastStream:
         self.keep_alive: bool | None = None
         self._protocol: FrontProtocol | None = None
         self._eof = False
+        self._head = b""  # prepared, not yet written
 
     async def prepare(self, request: FastRequest) -> None:
         if self.prepared:
             return
-        self._protocol = protocol = request.protocol
-        protocol.head_sent = True
+        self._protocol = request.protocol
         headers = self.headers
         headers["Transfer-Encoding"] = "chunked"
         keep_alive = self.keep_alive = request.keep_alive if self.keep_alive is None else self.keep_alive
         await _prepare_headers(request, self, headers, keep_alive)
         self.prepared = True
-        protocol.write(_head(self.status, self.reason, headers))
+        self._head = _head(self.status, self.reason, headers)
+
+    def _write(self, data: bytes) -> None:
+        protocol = self._protocol
+        assert protocol is not None, "prepare() first"
+        if self._head:
+            data, self._head = self._head + data, b""
+            protocol.head_sent = True
+        protocol.write(data)
 
     async def write(self, data: bytes | bytearray | memoryview) -> None:
         if self._eof:
             raise RuntimeError("Cannot call write() after write_eof()")
         if not data:
             return
-        protocol = self._protocol
-        assert protocol is not None, "prepare() first"
-        protocol.write(b"%x\r\n%b\r\n" % (len(data), data))
-        if protocol.paused:
-            await protocol.drain()
+        self._write(b"%x\r\n%b\r\n" % (len(data), data))
+        if self._protocol.paused:  # type: ignore[union-attr]
+            await self._protocol.drain()  # type: ignore[union-attr]
 
     async def write_eof(self, data: bytes = b"") -> None:
         if self._eof:
@@ -143,11 +151,9 @@ class FastStream:
         if data:
             await self.write(data)
         self._eof = True
-        protocol = self._protocol
-        assert protocol is not None, "prepare() first"
-        protocol.write(b"0\r\n\r\n")
-        if protocol.paused:
-            await protocol.drain()
+        self._write(b"0\r\n\r\n")
+        if self._protocol.paused:  # type: ignore[union-attr]
+            await self._protocol.drain()  # type: ignore[union-attr]
 
 
 async def _prepare_headers(request: FastRequest, response: Any, headers: CIMultiDict, keep_alive: bool) -> None:
