@@ -33,6 +33,7 @@ from typing import Any, Awaitable, Callable, Mapping
 from aiohttp import web
 from aiohttp.helpers import rfc822_formatted_time
 from aiohttp.http import SERVER_SOFTWARE, HttpVersion11
+from aiohttp.tcp_helpers import tcp_keepalive
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from protocol.openai_errors import SERVER_ERROR, error_body
@@ -49,6 +50,11 @@ _TOKEN = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
 HEADER_BLOCK = re.compile(rf"(?:{_TOKEN}:[\t\x20-\x7e]*\r\n)*")  # the head after its request line
 HEADER = re.compile(rf"({_TOKEN}):[\t ]*([^\r]*)\r\n")  # (name, value) of each line (no trailing blank)
 CONTENT_LENGTH = re.compile(r"\r\ncontent-length:[\t ]*([^\r]*)")
+# headers whose requests aiohttp handles itself (decompressing a body, refusing a WebSocket key1)
+HANDED_OVER = re.compile(r"\r\n(?:transfer-encoding|expect|upgrade|content-encoding|sec-websocket-key1):")
+# headers aiohttp's parser refuses to see twice (a 400): a repeat is aiohttp's to answer
+ONCE = re.compile(r"\r\n(content-type|user-agent|server|etag|max-forwards|content-location|content-range):"
+                  r"(?:[^\r]*\r\n)*?\1:")
 CONNECTION = re.compile(r"\r\nconnection:([^\r]*)(?=\r\n)")
 REASONS = {s.value: s.phrase for s in HTTPStatus}
 
@@ -198,8 +204,8 @@ def _parse_head(head: bytes, paths: Mapping[str, Any]) -> tuple[str, CIMultiDict
     if " \r\n" in block or "\t\r\n" in block:
         return None  # a value with trailing blanks (aiohttp trims them)
     lower = "\r\n" + block.lower()
-    if "\r\ntransfer-encoding:" in lower or "\r\nexpect:" in lower or "\r\nupgrade:" in lower:
-        return None
+    if HANDED_OVER.search(lower) or lower.count("\r\nhost:") != 1 or ONCE.search(lower):
+        return None  # aiohttp's: framing and encodings it handles, a Host missing or repeated
     lengths = CONTENT_LENGTH.findall(lower)
     if len(lengths) != 1 or not lengths[0].isdigit() or len(lengths[0]) > 12:
         return None
@@ -272,6 +278,7 @@ class FrontProtocol(asyncio.Protocol):
     # -- asyncio.Protocol ------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        tcp_keepalive(transport)  # as aiohttp's server: a peer gone silently is found out
         self.front.connections.add(self)
         self._idle()
 
@@ -384,6 +391,8 @@ class FrontProtocol(asyncio.Protocol):
         handler = self.front.aiohttp_server()
         transport.set_protocol(handler)
         handler.connection_made(transport)
+        if self.paused:  # the transport will not say so again
+            handler.pause_writing()
         if self.reading_paused:
             transport.resume_reading()
         data, self.buffer = self.buffer, b""
@@ -447,4 +456,6 @@ class FrontProtocol(asyncio.Protocol):
         await _prepare_headers(request, response, headers, keep_alive)
         head = _head(response.status, response.reason, headers)
         self.write(head + body if body else head)
+        if self.paused:  # the client reads slower than it asks: answer the next once this is out
+            await self.drain()
         return keep_alive

@@ -6,6 +6,7 @@ bodies, malformed framing) are the test's to choose."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 
 import aiohttp
@@ -128,6 +129,10 @@ async def test_unusual_framing_is_aiohttps_to_judge(router):
         (post("/v1/completions?x=1", BODY), 200),  # a query string: aiohttp's routing
         (post("/v1/embeddings", BODY), 404),
         (post("/v1/completions", b"{not json"), 400),  # fast, and refused as before
+        (post("/v1/completions", BODY).replace(b"Host: router\r\n", b""), 400),  # no Host
+        (post("/v1/completions", BODY, "Host: other"), 400),  # two Hosts
+        (post("/v1/completions", BODY, "content-type: text/plain"), 400),  # two Content-Types
+        (post("/v1/completions", gzip.compress(json.dumps(BODY).encode()), "Content-Encoding: gzip"), 200),
     ]
     for raw, expected in cases:
         reader, writer = await asyncio.open_connection(host, port)
@@ -138,7 +143,7 @@ async def test_unusual_framing_is_aiohttps_to_judge(router):
         if status >= 400:
             assert "error" in json.loads(body)
         writer.close()
-    assert ctx.front.requests == 1 and ctx.front.handed_over == 5
+    assert ctx.front.requests == 1 and ctx.front.handed_over == 9
 
 
 async def test_connection_close_is_honoured_and_errors_keep_the_connection(router):
