@@ -75,13 +75,11 @@ class Listener:
         if self.front is None:
             self._site = web.TCPSite(self.runner, host, port, backlog=1024, reuse_address=True, reuse_port=reuse_port)
             await self._site.start()
-            server = self._site._server
-        else:
-            loop = asyncio.get_running_loop()
-            server = self._server = await loop.create_server(self.front, host, port, backlog=1024,
-                                                             reuse_address=True, reuse_port=reuse_port)
-        assert server is not None
-        return server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+            return self.runner.addresses[0][1]
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(self.front, host, port, backlog=1024,
+                                                reuse_address=True, reuse_port=reuse_port)
+        return self._server.sockets[0].getsockname()[1]
 
     async def stop_accepting(self) -> None:
         """No new connections; those open are served on (for the shutdown grace)."""

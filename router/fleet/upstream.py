@@ -45,12 +45,13 @@ MAX_HEAD_BYTES = 64 * 1024  # status line and headers together
 MAX_HEADERS = 128
 MAX_CHUNK_LINE = 4096  # a chunk-size line, extensions included
 _STATUS_LINE = re.compile(r"HTTP/1\.([01]) ([1-9][0-9][0-9])(?: [^\r\n]*)?")
-_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+HTTP_TOKEN = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"  # a header name (RFC 9110 token); the front's parser too
+_TOKEN = re.compile(HTTP_TOKEN)
 # The header lines after the status line, each with its CRLF: valid as a whole (one scan in C),
 # then cut into (name, value) pairs by one findall -- the same pairs as the line-by-line loop
 # gives whenever no value ends with a blank (the loop's strip); otherwise the loop runs.
-_HEADER_BLOCK = re.compile(r"(?:[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[^\r\n]*\r\n)*")
-_HEADER = re.compile(r"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[\t ]*([^\r\n]*)\r\n")
+_HEADER_BLOCK = re.compile(rf"(?:{HTTP_TOKEN}:[^\r\n]*\r\n)*")
+_HEADER = re.compile(rf"({HTTP_TOKEN}):[\t ]*([^\r\n]*)\r\n")
 _NO_HEADERS: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())  # until the answer's are in
 _HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_CRLF, _TRAILERS, _UNTIL_EOF, _DONE = range(8)
 
@@ -399,6 +400,17 @@ def _refused_everywhere(exc: OSError) -> ConnectionRefusedError | None:
     return None
 
 
+def header_lines(headers: Mapping[str, str]) -> str:
+    """``headers`` as HTTP lines (``name: value`` and CRLF each), or a ValueError naming one with
+    a CR or LF in it (aiohttp refuses those too): a request smuggled in a header is never sent."""
+    lines = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
+    if lines.count("\n") != len(headers) or lines.count("\r") != len(headers):
+        for name, value in headers.items():
+            if "\n" in value or "\r" in value or "\n" in name or "\r" in name:
+                raise ValueError(f"a newline in header {name!r} (as aiohttp refuses it)")
+    return lines
+
+
 class UpstreamPool:
     """Keep-alive connections to workers by (host, port), kept ``keepalive_s`` seconds idle."""
 
@@ -438,13 +450,8 @@ class UpstreamPool:
         response = UpstreamResponse(conn, self, key, self.read_timeout)
         conn.response = response
         try:
-            lines = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
-            if lines.count("\n") != len(headers) or lines.count("\r") != len(headers):
-                for name, value in headers.items():
-                    if "\n" in value or "\r" in value or "\n" in name or "\r" in name:
-                        raise ValueError(f"a newline in header {name!r} (as aiohttp refuses it)")
             head = [b"POST ", (prefix + path).encode("ascii"), b" HTTP/1.1\r\n", host,
-                    lines.encode("utf-8"),  # as aiohttp encodes them
+                    header_lines(headers).encode("utf-8"),  # as aiohttp encodes them
                     b"Content-Length: %d\r\n\r\n" % len(body)]
             transport = conn.transport
             assert transport is not None

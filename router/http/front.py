@@ -1,24 +1,24 @@
 """The router's port: a lean HTTP/1.1 front for the two inference endpoints, aiohttp for the rest.
 
-aiohttp's server costs ~90 µs of CPU per request before any handler runs (a bare asyncio
-``Protocol`` answering the same requests: ~15 µs), about a third of what the router spends on a
-proxied request. So the router's port is served by :class:`Front`: each connection starts as a
-:class:`FrontProtocol`, which reads requests itself when they are plain -- ``POST
-/v1/completions`` or ``POST /v1/chat/completions``, HTTP/1.1, an ASCII head, one
-``Content-Length`` of at most :data:`MAX_FAST_BODY` bytes, no ``Transfer-Encoding``, ``Expect``
-or ``Upgrade``, the whole head in hand and the body arriving within :data:`BODY_WAIT_S` -- and
-runs them through the same middlewares and handlers as aiohttp would (errors, API keys, counts,
-the ``--processes`` stamp), answering with the same status line and headers. Anything else (any
-other path or method, malformed or unusual HTTP, a slow body, a partial head) hands the
-connection to aiohttp *before a byte of that request is used*: the bytes read so far are fed to
-an aiohttp ``RequestHandler`` that takes the transport over, so every edge case keeps aiohttp's
-(tested) answer, and the connection stays aiohttp's from then on.
+aiohttp's server machinery (its request handler, request and response objects, the middleware
+chain around them) is a share of what the router spends on each proxied request. So the router's
+port is served by :class:`Front`: each connection starts as a :class:`FrontProtocol`, which reads
+requests itself when they are plain (:func:`_parse_head` says which: ``POST /v1/completions`` or
+``POST /v1/chat/completions``, HTTP/1.1, one ``Host`` and one ``Content-Length`` of at most
+:data:`MAX_FAST_BODY` bytes, none of the headers aiohttp handles itself, the whole head in hand
+and the body arriving within :data:`BODY_WAIT_S`) and runs them through the same middlewares and
+handlers as aiohttp would (errors, API keys, counts, the ``--processes`` stamp), answering with
+the same status line and headers. Anything else (any other path or method, malformed or unusual
+HTTP, a slow body, a partial head) hands the connection to aiohttp *before a byte of that request
+is used*: the bytes read so far are fed to an aiohttp ``RequestHandler`` that takes the transport
+over, so every edge case keeps aiohttp's (tested) answer, and the connection stays aiohttp's from
+then on. Measured: docs/benchmarks.md, "Router overhead beside the peers".
 
 Behaviours kept from aiohttp's server: a client that disconnects cancels its handler; keep-alive
-with a 75 s idle timeout; ``Connection: close`` honoured; pipelined requests answered in order;
-streams written chunked as they arrive, with back-pressure (a slow reader pauses the writer);
-``Date`` and ``Server`` headers; ``on_response_prepare`` signals. ``--no-fast-front`` serves the
-port with aiohttp alone.
+with a 75 s idle timeout and TCP keep-alive probes; ``Connection: close`` honoured; pipelined
+requests answered in order; back-pressure on answers to slow readers; streams written chunked as
+they arrive; ``Date`` and ``Server`` headers; ``on_response_prepare`` signals. ``--no-fast-front``
+serves the port with aiohttp alone.
 """
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ from aiohttp.tcp_helpers import tcp_keepalive
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from protocol.openai_errors import SERVER_ERROR, error_body
+from router.fleet.upstream import HTTP_TOKEN, header_lines
 
 log = logging.getLogger("prefixlb.router.front")
 
@@ -46,9 +47,8 @@ MAX_FAST_HEADERS = 64  # more header lines go to aiohttp (which refuses more tha
 BODY_WAIT_S = 0.1  # a body not all in within this after its head: aiohttp takes the connection
 KEEPALIVE_S = 75.0  # aiohttp's keepalive_timeout
 MAX_BUFFERED = 1 << 20  # bytes of pipelined requests held while one is answered; then reading pauses
-_TOKEN = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
-HEADER_BLOCK = re.compile(rf"(?:{_TOKEN}:[\t\x20-\x7e]*\r\n)*")  # the head after its request line
-HEADER = re.compile(rf"({_TOKEN}):[\t ]*([^\r]*)\r\n")  # (name, value) of each line (no trailing blank)
+HEADER_BLOCK = re.compile(rf"(?:{HTTP_TOKEN}:[\t\x20-\x7e]*\r\n)*")  # the head after its request line
+HEADER = re.compile(rf"({HTTP_TOKEN}):[\t ]*([^\r]*)\r\n")  # (name, value) of each line (no trailing blank)
 CONTENT_LENGTH = re.compile(r"\r\ncontent-length:[\t ]*([^\r]*)")
 # headers whose requests aiohttp handles itself (decompressing a body, refusing a WebSocket key1)
 HANDED_OVER = re.compile(r"\r\n(?:transfer-encoding|expect|upgrade|content-encoding|sec-websocket-key1):")
@@ -176,13 +176,7 @@ async def _prepare_headers(request: FastRequest, response: Any, headers: CIMulti
 
 def _head(status: int, reason: str, headers: Mapping[str, str]) -> bytes:
     """The status line and headers, as aiohttp serialises them (refusing a newline in either)."""
-    lines = [f"HTTP/1.1 {status} {reason}\r\n"]
-    for name, value in headers.items():
-        if "\n" in value or "\r" in value or "\n" in name or "\r" in name:
-            raise ValueError(f"Newline or carriage return character detected in HTTP header {name!r}")
-        lines.append(f"{name}: {value}\r\n")
-    lines.append("\r\n")
-    return "".join(lines).encode("utf-8")
+    return f"HTTP/1.1 {status} {reason}\r\n{header_lines(headers)}\r\n".encode("utf-8")
 
 
 def _parse_head(head: bytes, paths: Mapping[str, Any]) -> tuple[str, CIMultiDictProxy, int, bool] | None:
@@ -233,7 +227,7 @@ class Front:
             chain = functools.partial(_wrap, middleware, chain)
         self.handlers = {path: chain(handler) for path, handler in routes.items()}
         self.connections: set[FrontProtocol] = set()
-        self.requests = 0  # served on the fast path (tests and the benchmark read it)
+        self.requests = 0  # served on the fast path (the tests read it)
         self.handed_over = 0  # connections given to aiohttp
 
     def __call__(self) -> "FrontProtocol":
