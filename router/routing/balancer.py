@@ -58,6 +58,7 @@ from typing import AbstractSet, Mapping
 
 from protocol import DEFAULT_CHUNK_SIZE, KVEvent, LoadReport
 from protocol.messages import KV_CLEARED, KV_REMOVED, KV_STORED
+from router.routing import hotloop
 from router.routing.adapters import AdapterBoard
 from router.routing.index import PrefixIndex
 from router.routing.load import LoadBoard, SpeedProfile, Ticket
@@ -338,6 +339,14 @@ class Balancer:
         tiered = len(self.cpu_index) > 0
         # A _DepthLookup answers its longest matches as a dict would, and looks any other worker up.
         plain_get = dict.get if type(matches) is _DepthLookup else None
+        hot = hotloop.hot
+        if hot is not None and not adapter and not tiered and (plain_get is not None or type(matches) is dict):
+            # The same loop compiled (router/routing/_hotloop.c): NotImplemented if a value is not
+            # one it was written for, and then this one runs.
+            built = hot.candidates(ids, successors, matches, plain_get is not None, known, self.board.loads(),
+                                   chunk_tokens, cap, now)
+            if built is not NotImplemented:
+                return built
         for worker_id in ids:
             w = load_of(worker_id)
             if plain_get is None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, AbstractSet, Mapping, Sequence
 
+from router.routing import hotloop
 from router.routing.policies.base import Policy, decision_for, register, under_limit
 from router.routing.policy import (NOT_ON_RING, Candidate, Decision, PolicyConfig, RouteRequest,
                                    hash_load_bound, locality_weight)
@@ -54,6 +55,23 @@ class CacheAware(Policy):
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate], config: PolicyConfig) -> Decision:
         """The candidate of least cost (see the module docstring); near-ties by ring order."""
         bound = request.load_bound
+        affinity = config.affinity if request.affinity is None else request.affinity
+        weight = locality_weight(affinity)
+        shared_weight = min(weight, 1.0)
+        knee = config.attention_knee_tokens
+        prompt = max(1, request.prompt_tokens)
+        hot = hotloop.hot
+        if hot is not None and type(candidates) is list:
+            # This method's loops compiled (router/routing/_hotloop.c): the same costs and choice,
+            # None if no candidate is under its hard limit, NotImplemented for a value they were
+            # not written for (then the loops below run).
+            scored = hot.choose(candidates, FAIR_SHARE_CAP * bound if bound > 0 else 0, prompt, bound, weight,
+                                shared_weight, knee, config.tie_floor_s, config.tie_tolerance)
+            if scored is None:
+                under_limit(candidates)  # raises NoCapacity
+            if scored is not NotImplemented:
+                chosen, chosen_cost, costs, near = scored
+                return _decision(request, candidates, chosen, chosen_cost, costs, near, weight)
         if bound > 0:
             # The spill allowance is a hard cap: past twice its fair share of requests in flight no
             # worker takes more, whatever its cache or its reported speed (a worker that lies about
@@ -64,11 +82,6 @@ class CacheAware(Policy):
                       or under_limit(candidates))
         else:
             usable = under_limit(candidates)
-        affinity = config.affinity if request.affinity is None else request.affinity
-        weight = locality_weight(affinity)
-        shared_weight = min(weight, 1.0)
-        knee = config.attention_knee_tokens
-        prompt = max(1, request.prompt_tokens)
         # Only a unique longest match holds a part of the prompt that no other candidate could serve
         # from its cache: that exclusive part is what locality weights beyond its physical value. The
         # part others hold too is valued at most as the TTFT it saves, so a popular prefix (a shared
@@ -136,14 +149,20 @@ class CacheAware(Policy):
             if chosen is None or key < chosen_key:
                 chosen, chosen_key, chosen_cost = c, key, cost
         assert chosen is not None
-        # The ring decided if it broke a tie, or if the request simply went to the key's owner.
-        by_ring = chosen.ring_rank != NOT_ON_RING and (near > 1 or chosen.ring_rank == 0)
-        if weight > 0 and chosen.cached_tokens > 0:
-            reason = "prefix"
-        elif weight > 0 and any(c.cached_tokens > 0 for c in candidates):
-            reason = "spill"
-        elif by_ring:
-            reason = "session" if request.session else "ring"
-        else:
-            reason = "least_load"
-        return decision_for(request, chosen, reason, chosen_cost, tuple(costs))
+        return _decision(request, candidates, chosen, chosen_cost, tuple(costs), near, weight)
+
+
+def _decision(request: RouteRequest, candidates: Sequence[Candidate], chosen: Candidate, cost: float,
+              costs: tuple[tuple[str, float], ...], near: int, weight: float) -> Decision:
+    """The decision for ``chosen`` among ``near`` near-ties, with its reason."""
+    # The ring decided if it broke a tie, or if the request simply went to the key's owner.
+    by_ring = chosen.ring_rank != NOT_ON_RING and (near > 1 or chosen.ring_rank == 0)
+    if weight > 0 and chosen.cached_tokens > 0:
+        reason = "prefix"
+    elif weight > 0 and any(c.cached_tokens > 0 for c in candidates):
+        reason = "spill"
+    elif by_ring:
+        reason = "session" if request.session else "ring"
+    else:
+        reason = "least_load"
+    return decision_for(request, chosen, reason, cost, costs)

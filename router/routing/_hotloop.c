@@ -1,0 +1,563 @@
+/* The two inner loops of every routing decision, compiled: the candidate set's per-worker records
+ * (Balancer.candidate_set) and cache_aware's cost loop (CacheAware.choose).
+ *
+ * Optional: router/routing/hotloop.py imports this module if it was built and falls back to the
+ * Python loops otherwise (or with PREFIXLB_PURE_PYTHON=1). Both give the same decisions: every
+ * float below is the same IEEE expression, in the same order, as the Python it replaces, and
+ * tests/unit/test_hotloop.py compares the two on random fleets. Anything these loops were not
+ * written for -- a field that is not an exact float or int, an int past 2**53, a zero rate or block
+ * size (where Python raises) -- answers NotImplemented, and the caller runs the Python loop, so
+ * an unusual value gets Python's own answer or error.
+ *
+ * The records are slotted dataclasses (Candidate, WorkerLoad): bind() reads each field's slot
+ * offset from its member descriptor once, and the loops read and write the slots directly.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <math.h>
+
+#define LAYOUT_VERSION 1
+
+enum { C_WORKER_ID, C_TOKENS_PER_S, C_CACHED, C_PENDING, C_IN_SYSTEM, C_OVER_LIMIT, C_RING_RANK,
+       C_MATCHED, C_SERVICE, C_TRANSFER, C_ADAPTER, C_FIELDS };
+static const char *const CANDIDATE_FIELDS[C_FIELDS] = {
+    "worker_id", "tokens_per_s", "cached_tokens", "pending_s", "in_system", "over_limit", "ring_rank",
+    "matched_chunks", "service_s", "transfer_s", "adapter_s"};
+
+enum { W_BUSY_UNTIL, W_SLOT_WAIT, W_RATE_NOW, W_IN_SYSTEM, W_OVER_LIMIT_NOW, W_SERVICE, W_BLOCK, W_FIELDS };
+static const char *const LOAD_FIELDS[W_FIELDS] = {
+    "busy_until", "slot_wait_s", "rate_now", "in_system", "over_limit_now", "service_s", "block_size"};
+
+static PyTypeObject *candidate_type = NULL;
+static PyTypeObject *load_type = NULL;
+static Py_ssize_t candidate_off[C_FIELDS];
+static Py_ssize_t load_off[W_FIELDS];
+static PyObject *not_on_ring = NULL;  /* NOT_ON_RING as a Python int */
+static long long not_on_ring_value = 0;
+static PyObject *zero_int = NULL, *zero_float = NULL, *str_get = NULL;
+
+#define SLOT(obj, off) (*(PyObject **)((char *)(obj) + (off)))
+#define EXACT_INT_LIMIT 9007199254740992LL  /* 2**53: every int below converts to a double exactly */
+
+/* Fill offsets[] from the slot member descriptors ``names`` of ``type``; -1 with an exception set. */
+static int
+read_layout(PyTypeObject *type, const char *const *names, int count, Py_ssize_t *offsets)
+{
+    PyObject *dict = type->tp_dict;
+    for (int i = 0; i < count; i++) {
+        PyObject *descr = PyDict_GetItemString(dict, names[i]);  /* borrowed */
+        if (descr == NULL || !Py_IS_TYPE(descr, &PyMemberDescr_Type)) {
+            PyErr_Format(PyExc_TypeError, "%s.%s is not a slot", type->tp_name, names[i]);
+            return -1;
+        }
+        PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
+        if (member->type != T_OBJECT_EX || (member->flags & READONLY)) {
+            PyErr_Format(PyExc_TypeError, "%s.%s is not a writable object slot", type->tp_name, names[i]);
+            return -1;
+        }
+        offsets[i] = member->offset;
+    }
+    return 0;
+}
+
+/* bind(Candidate, WorkerLoad, NOT_ON_RING): learn the records' layouts. */
+static PyObject *
+hot_bind(PyObject *self, PyObject *args)
+{
+    PyObject *cand, *load, *ring;
+    if (!PyArg_ParseTuple(args, "O!O!O!", &PyType_Type, &cand, &PyType_Type, &load, &PyLong_Type, &ring))
+        return NULL;
+    Py_ssize_t coff[C_FIELDS], woff[W_FIELDS];
+    if (read_layout((PyTypeObject *)cand, CANDIDATE_FIELDS, C_FIELDS, coff) < 0
+            || read_layout((PyTypeObject *)load, LOAD_FIELDS, W_FIELDS, woff) < 0)
+        return NULL;
+    long long ring_value = PyLong_AsLongLong(ring);
+    if (ring_value == -1 && PyErr_Occurred())
+        return NULL;
+    memcpy(candidate_off, coff, sizeof coff);
+    memcpy(load_off, woff, sizeof woff);
+    Py_INCREF(cand);
+    Py_XSETREF(candidate_type, (PyTypeObject *)cand);
+    Py_INCREF(load);
+    Py_XSETREF(load_type, (PyTypeObject *)load);
+    Py_INCREF(ring);
+    Py_XSETREF(not_on_ring, ring);
+    not_on_ring_value = ring_value;
+    Py_RETURN_NONE;
+}
+
+/* An exact int below 2**53 in magnitude into *out; 0 if it is anything else (no exception). */
+static int
+small_int(PyObject *v, long long *out)
+{
+    if (v == NULL || !PyLong_CheckExact(v))
+        return 0;
+    int overflow = 0;
+    long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+    if (overflow || x >= EXACT_INT_LIMIT || x <= -EXACT_INT_LIMIT) {
+        PyErr_Clear();
+        return 0;
+    }
+    *out = x;
+    return 1;
+}
+
+/* An exact float into *out; 0 if it is anything else. */
+static int
+exact_float(PyObject *v, double *out)
+{
+    if (v == NULL || !PyFloat_CheckExact(v))
+        return 0;
+    *out = PyFloat_AS_DOUBLE(v);
+    return 1;
+}
+
+/* A float or an int below 2**53 as a double (for knobs a user may give as either); 0 otherwise. */
+static int
+number(PyObject *v, double *out)
+{
+    long long i;
+    if (exact_float(v, out))
+        return 1;
+    if (small_int(v, &i)) {
+        *out = (double)i;
+        return 1;
+    }
+    return 0;
+}
+
+/* Python's float floor division x // y (CPython's float_floor_div): the same double. */
+static double
+float_floor_div(double vx, double wx)
+{
+    double mod = fmod(vx, wx);
+    double div = (vx - mod) / wx;
+    double floordiv;
+    if (mod) {
+        if ((wx < 0) != (mod < 0))
+            div -= 1.0;
+    }
+    if (div) {
+        floordiv = floor(div);
+        if (div - floordiv > 0.5)
+            floordiv += 1.0;
+    }
+    else {
+        floordiv = copysign(0.0, vx / wx);
+    }
+    return floordiv;
+}
+
+static long long
+int_floor_div(long long a, long long b)
+{
+    long long q = a / b;
+    if ((a % b != 0) && ((a < 0) != (b < 0)))
+        q -= 1;
+    return q;
+}
+
+/* candidates(ids, successors, matches, deep, known, loads, chunk_tokens, cap, now)
+ *
+ * Balancer.candidate_set's loop for a request with no CPU KV tier in play and no adapter: one
+ * Candidate per id, or NotImplemented (nothing built) where a value is not what it was written for.
+ * ``deep``: ``matches`` is a _DepthLookup (its ``get`` answers workers beyond its longest matches).
+ */
+static PyObject *
+hot_candidates(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "candidates() takes 9 arguments");
+        return NULL;
+    }
+    PyObject *ids = args[0], *successors = args[1], *matches = args[2], *known = args[4], *loads = args[5];
+    int deep = PyObject_IsTrue(args[3]);
+    double chunk_tokens, now;
+    long long cap;
+    if (deep < 0)
+        return NULL;
+    if (candidate_type == NULL || !PyList_CheckExact(ids) || !PyList_CheckExact(successors)
+            || !PyDict_Check(matches) || !PyDict_CheckExact(known) || !PyDict_CheckExact(loads)
+            || !exact_float(args[6], &chunk_tokens) || !small_int(args[7], &cap) || !exact_float(args[8], &now))
+        Py_RETURN_NOTIMPLEMENTED;
+    Py_ssize_t n = PyList_GET_SIZE(ids);
+    PyObject *out = PyList_New(n);
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *wid = PyList_GET_ITEM(ids, i);
+        PyObject *w = PyDict_GetItemWithError(loads, wid);  /* borrowed */
+        if (w == NULL || !Py_IS_TYPE(w, load_type)) {
+            if (PyErr_Occurred())
+                goto error;
+            goto fallback;  /* Python raises its KeyError */
+        }
+        PyObject *matched = PyDict_GetItemWithError(matches, wid);  /* borrowed */
+        if (matched != NULL) {
+            Py_INCREF(matched);
+        }
+        else if (PyErr_Occurred()) {
+            goto error;
+        }
+        else if (deep) {
+            matched = PyObject_CallMethodObjArgs(matches, str_get, wid, zero_int, NULL);
+            if (matched == NULL)
+                goto error;
+        }
+        else {
+            matched = Py_NewRef(zero_int);
+        }
+        PyObject *cached = PyDict_GetItemWithError(known, wid);
+        if (cached != NULL) {
+            Py_INCREF(cached);
+        }
+        else if (PyErr_Occurred()) {
+            Py_DECREF(matched);
+            goto error;
+        }
+        else {
+            long long m, block, value = 0;
+            if (!small_int(matched, &m) || !small_int(SLOT(w, load_off[W_BLOCK]), &block) || block == 0) {
+                Py_DECREF(matched);
+                goto fallback;
+            }
+            if (m) {
+                double tokens = (double)m * chunk_tokens;
+                if ((double)cap < tokens) {
+                    value = int_floor_div(cap, block) * block;
+                }
+                else {
+                    double q = float_floor_div(tokens, (double)block);
+                    if (!isfinite(q) || fabs(q * (double)block) >= (double)EXACT_INT_LIMIT) {
+                        Py_DECREF(matched);
+                        goto fallback;
+                    }
+                    value = (long long)q * block;
+                }
+                if (value < 0)
+                    value = 0;
+            }
+            cached = PyLong_FromLongLong(value);
+            if (cached == NULL) {
+                Py_DECREF(matched);
+                goto error;
+            }
+        }
+        double busy_until, slot_wait;
+        if (!exact_float(SLOT(w, load_off[W_BUSY_UNTIL]), &busy_until)
+                || !exact_float(SLOT(w, load_off[W_SLOT_WAIT]), &slot_wait)
+                || SLOT(w, load_off[W_RATE_NOW]) == NULL || SLOT(w, load_off[W_IN_SYSTEM]) == NULL
+                || SLOT(w, load_off[W_OVER_LIMIT_NOW]) == NULL || SLOT(w, load_off[W_SERVICE]) == NULL) {
+            Py_DECREF(matched);
+            Py_DECREF(cached);
+            goto fallback;
+        }
+        double backlog = busy_until - now;
+        PyObject *pending = PyFloat_FromDouble((backlog > 0.0 ? backlog : 0.0) + slot_wait);
+        PyObject *rank = NULL;
+        Py_ssize_t nsucc = PyList_GET_SIZE(successors);
+        for (Py_ssize_t j = 0; j < nsucc && pending != NULL; j++) {
+            int eq = PyObject_RichCompareBool(PyList_GET_ITEM(successors, j), wid, Py_EQ);
+            if (eq < 0) {
+                Py_CLEAR(pending);
+            }
+            else if (eq) {
+                rank = PyLong_FromSsize_t(j);
+                if (rank == NULL)
+                    Py_CLEAR(pending);
+                break;
+            }
+        }
+        PyObject *c = pending == NULL ? NULL : candidate_type->tp_alloc(candidate_type, 0);
+        if (c == NULL) {
+            Py_XDECREF(pending);
+            Py_XDECREF(rank);
+            Py_DECREF(matched);
+            Py_DECREF(cached);
+            goto error;
+        }
+        SLOT(c, candidate_off[C_WORKER_ID]) = Py_NewRef(wid);
+        SLOT(c, candidate_off[C_TOKENS_PER_S]) = Py_NewRef(SLOT(w, load_off[W_RATE_NOW]));
+        SLOT(c, candidate_off[C_CACHED]) = cached;
+        SLOT(c, candidate_off[C_PENDING]) = pending;
+        SLOT(c, candidate_off[C_IN_SYSTEM]) = Py_NewRef(SLOT(w, load_off[W_IN_SYSTEM]));
+        SLOT(c, candidate_off[C_OVER_LIMIT]) = Py_NewRef(SLOT(w, load_off[W_OVER_LIMIT_NOW]));
+        SLOT(c, candidate_off[C_RING_RANK]) = rank != NULL ? rank : Py_NewRef(not_on_ring);
+        SLOT(c, candidate_off[C_MATCHED]) = matched;
+        SLOT(c, candidate_off[C_SERVICE]) = Py_NewRef(SLOT(w, load_off[W_SERVICE]));
+        SLOT(c, candidate_off[C_TRANSFER]) = Py_NewRef(zero_float);
+        SLOT(c, candidate_off[C_ADAPTER]) = Py_NewRef(zero_float);
+        PyList_SET_ITEM(out, i, c);
+    }
+    return out;
+fallback:
+    Py_DECREF(out);
+    Py_RETURN_NOTIMPLEMENTED;
+error:
+    Py_DECREF(out);
+    return NULL;
+}
+
+/* The fields of one candidate that choose() reads; 0 if one is not what it was written for. */
+typedef struct {
+    PyObject *obj;
+    PyObject *worker_id;
+    double rate, pending, adapter, service, transfer;
+    long long cached, in_system, ring_rank;
+} Scored;
+
+static int
+read_candidate(PyObject *c, Scored *s)
+{
+    if (!Py_IS_TYPE(c, candidate_type))
+        return 0;
+    s->obj = c;
+    s->worker_id = SLOT(c, candidate_off[C_WORKER_ID]);
+    return (s->worker_id != NULL
+            && exact_float(SLOT(c, candidate_off[C_TOKENS_PER_S]), &s->rate) && s->rate != 0.0
+            && exact_float(SLOT(c, candidate_off[C_PENDING]), &s->pending)
+            && exact_float(SLOT(c, candidate_off[C_ADAPTER]), &s->adapter)
+            && exact_float(SLOT(c, candidate_off[C_SERVICE]), &s->service)
+            && exact_float(SLOT(c, candidate_off[C_TRANSFER]), &s->transfer)
+            && small_int(SLOT(c, candidate_off[C_CACHED]), &s->cached)
+            && small_int(SLOT(c, candidate_off[C_IN_SYSTEM]), &s->in_system)
+            && small_int(SLOT(c, candidate_off[C_RING_RANK]), &s->ring_rank));
+}
+
+/* choose(candidates, spill_cap, prompt, bound, weight, shared_weight, knee, tie_floor, tie_tolerance)
+ *
+ * CacheAware.choose's scoring: the usable candidates (under their hard limit and, if spill_cap > 0,
+ * below it; if none is, every one under its hard limit), each one's cost, and the winner among
+ * the near-ties. Returns (chosen, its cost, ((worker_id, cost), ...), near-ties), None when no
+ * candidate is under its hard limit (the caller raises NoCapacity), or NotImplemented.
+ */
+static PyObject *
+hot_choose(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "choose() takes 9 arguments");
+        return NULL;
+    }
+    PyObject *candidates = args[0];
+    long long spill_cap, prompt, bound;
+    double weight, shared_weight, knee, tie_floor, tie_tolerance;
+    if (candidate_type == NULL || !PyList_CheckExact(candidates) || !small_int(args[1], &spill_cap)
+            || !small_int(args[2], &prompt) || !small_int(args[3], &bound) || !exact_float(args[4], &weight)
+            || !exact_float(args[5], &shared_weight) || !number(args[6], &knee) || knee == 0.0
+            || !number(args[7], &tie_floor) || !number(args[8], &tie_tolerance))
+        Py_RETURN_NOTIMPLEMENTED;
+    Py_ssize_t total = PyList_GET_SIZE(candidates);
+    Scored stack[32];
+    Scored *usable = total <= 32 ? stack : PyMem_Malloc(sizeof(Scored) * (size_t)total);
+    long long *matched = NULL;
+    PyObject *costs = NULL, *result = NULL;
+    if (usable == NULL)
+        return PyErr_NoMemory();
+    Py_ssize_t n = 0;
+    for (int pass = spill_cap > 0 ? 0 : 1; pass < 2 && n == 0; pass++) {
+        for (Py_ssize_t i = 0; i < total; i++) {
+            PyObject *c = PyList_GET_ITEM(candidates, i);
+            Scored s;
+            if (!read_candidate(c, &s))
+                goto fallback;
+            PyObject *over = SLOT(c, candidate_off[C_OVER_LIMIT]);
+            if (over != Py_True && over != Py_False)
+                goto fallback;
+            if (over == Py_False && (pass == 1 || s.in_system < spill_cap))
+                usable[n++] = s;
+        }
+    }
+    if (n == 0) {
+        if (usable != stack)
+            PyMem_Free(usable);
+        Py_RETURN_NONE;
+    }
+    matched = PyMem_Malloc(sizeof(long long) * (size_t)n);
+    costs = PyTuple_New(n);
+    if (matched == NULL || costs == NULL) {
+        if (matched == NULL)
+            PyErr_NoMemory();
+        goto done;
+    }
+    /* the exclusive part: only a unique longest match has one (see CacheAware.choose) */
+    long long first = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        matched[i] = usable[i].cached < prompt ? usable[i].cached : prompt - 1;
+        if (i == 0 || matched[i] > first)
+            first = matched[i];
+    }
+    Py_ssize_t owner = -1, holders = 0;
+    long long second = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (matched[i] == first) {
+            holders++;
+            owner = i;
+        }
+    }
+    if (first > 0 && holders == 1) {
+        int any = 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (i != owner && (!any || matched[i] > second)) {
+                second = matched[i];
+                any = 1;
+            }
+        }
+    }
+    else {
+        owner = -1;
+    }
+    int follow_cache = weight == INFINITY && owner >= 0;
+    double half_prompt = (double)prompt * 0.5;
+    double best_cost = INFINITY, best_full = 0.0;
+    double *cost_of = PyMem_Malloc(sizeof(double) * (size_t)n);
+    if (cost_of == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Scored *c = &usable[i];
+        double rate = c->rate;
+        double full = (double)prompt / rate * (1.0 + half_prompt / knee);
+        long long cached = matched[i];
+        double actual;
+        if (cached > 0) {
+            long long fresh = prompt - cached;
+            actual = (double)fresh / rate * (1.0 + ((double)cached + (double)fresh * 0.5) / knee) + c->transfer;
+        }
+        else {
+            actual = full;
+        }
+        double cost = c->pending + c->adapter;
+        long long ahead = c->in_system + 1 - bound;
+        if (bound > 0 && ahead > 0)
+            cost += (double)ahead * c->service / (double)bound;
+        if (i != owner) {
+            cost += full - shared_weight * (full - actual);
+        }
+        else if (follow_cache) {
+            cost += actual;
+        }
+        else {
+            double common;
+            if (second > 0) {
+                long long fresh = prompt - second;
+                common = (double)fresh / rate * (1.0 + ((double)second + (double)fresh * 0.5) / knee);
+            }
+            else {
+                common = full;
+            }
+            cost += full - shared_weight * (full - common) - weight * (common - actual);
+        }
+        cost_of[i] = cost;
+        PyObject *value = PyFloat_FromDouble(cost);
+        PyObject *pair = value == NULL ? NULL : PyTuple_Pack(2, c->worker_id, value);
+        Py_XDECREF(value);
+        if (pair == NULL) {
+            PyMem_Free(cost_of);
+            goto done;
+        }
+        PyTuple_SET_ITEM(costs, i, pair);
+        if (follow_cache && i != owner)
+            continue;  /* following the cache: only its one exclusive holder competes */
+        if (cost < best_cost) {
+            best_cost = cost;
+            best_full = full;
+        }
+    }
+    double spread = fabs(best_cost);
+    if (best_full > spread)
+        spread = best_full;
+    double limit = best_cost + (tie_floor + tie_tolerance * spread);
+    Py_ssize_t chosen = -1, near = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (follow_cache && i != owner)
+            continue;
+        double cost = cost_of[i];
+        if (cost > limit)
+            continue;
+        near++;
+        if (chosen < 0) {
+            chosen = i;
+            continue;
+        }
+        /* key = (transfer_s > 0, ring_rank, cost off the ring else 0.0, worker_id), lowest wins */
+        Scored *a = &usable[i], *b = &usable[chosen];
+        int a_tier = a->transfer > 0, b_tier = b->transfer > 0;
+        int less;
+        if (a_tier != b_tier) {
+            less = a_tier < b_tier;
+        }
+        else if (a->ring_rank != b->ring_rank) {
+            less = a->ring_rank < b->ring_rank;
+        }
+        else {
+            double ka = a->ring_rank == not_on_ring_value ? cost : 0.0;
+            double kb = b->ring_rank == not_on_ring_value ? cost_of[chosen] : 0.0;
+            if (!(ka == kb)) {
+                less = ka < kb;
+            }
+            else {
+                int eq = PyObject_RichCompareBool(a->worker_id, b->worker_id, Py_EQ);
+                less = eq < 0 ? -1 : eq ? 0 : PyObject_RichCompareBool(a->worker_id, b->worker_id, Py_LT);
+                if (less < 0) {
+                    PyMem_Free(cost_of);
+                    goto done;
+                }
+            }
+        }
+        if (less)
+            chosen = i;
+    }
+    if (chosen < 0) {
+        PyMem_Free(cost_of);
+        goto fallback;
+    }
+    PyObject *chosen_cost = PyTuple_GET_ITEM(PyTuple_GET_ITEM(costs, chosen), 1);
+    result = Py_BuildValue("(OOOn)", usable[chosen].obj, chosen_cost, costs, near);
+    PyMem_Free(cost_of);
+done:
+    Py_XDECREF(costs);
+    PyMem_Free(matched);
+    if (usable != stack)
+        PyMem_Free(usable);
+    return result;
+fallback:
+    Py_XDECREF(costs);
+    PyMem_Free(matched);
+    if (usable != stack)
+        PyMem_Free(usable);
+    Py_RETURN_NOTIMPLEMENTED;
+}
+
+static PyMethodDef hot_methods[] = {
+    {"bind", hot_bind, METH_VARARGS, "bind(Candidate, WorkerLoad, NOT_ON_RING): learn the records' slot layouts."},
+    {"candidates", (PyCFunction)(void (*)(void))hot_candidates, METH_FASTCALL,
+     "candidates(ids, successors, matches, deep, known, loads, chunk_tokens, cap, now) -> list | NotImplemented"},
+    {"choose", (PyCFunction)(void (*)(void))hot_choose, METH_FASTCALL,
+     "choose(candidates, spill_cap, prompt, bound, weight, shared_weight, knee, tie_floor, tie_tolerance)"
+     " -> (chosen, cost, costs, near) | None | NotImplemented"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef hot_module = {
+    PyModuleDef_HEAD_INIT, "_hotloop", "The compiled inner loops of a routing decision (see hotloop.py).", -1,
+    hot_methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC
+PyInit__hotloop(void)
+{
+    PyObject *m = PyModule_Create(&hot_module);
+    if (m == NULL)
+        return NULL;
+    zero_int = PyLong_FromLong(0);
+    zero_float = PyFloat_FromDouble(0.0);
+    str_get = PyUnicode_InternFromString("get");
+    if (zero_int == NULL || zero_float == NULL || str_get == NULL
+            || PyModule_AddIntConstant(m, "LAYOUT_VERSION", LAYOUT_VERSION) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

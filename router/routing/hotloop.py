@@ -1,0 +1,42 @@
+"""The compiled inner loops of a routing decision, where they were built (``_hotloop.c``).
+
+``hot`` is the C module, bound to this checkout's :class:`~router.routing.policy.Candidate` and
+:class:`~router.routing.load.WorkerLoad` layouts, or ``None``: not built (no C compiler when the
+package was installed; ``setup.py`` makes the extension optional), built for another layout, or
+turned off with ``PREFIXLB_PURE_PYTHON=1``. With ``None`` the Balancer's candidate set and
+``cache_aware`` run their Python loops; the decisions are the same either way (the same float
+expressions in the same order, compared on random fleets in tests/unit/test_hotloop.py), and a
+value the C loops were not written for (a field that is not an exact float or int, a zero rate)
+makes them answer ``NotImplemented`` so that the Python loop gives Python's answer or error.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from types import ModuleType
+
+from router.routing.load import WorkerLoad
+from router.routing.policy import NOT_ON_RING, Candidate
+
+LAYOUT_VERSION = 1  # the C module's LAYOUT_VERSION this code calls it with
+PURE_PYTHON_ENV = "PREFIXLB_PURE_PYTHON"
+
+
+def load() -> ModuleType | None:
+    """The bound C module, or None (see the module docstring)."""
+    if os.environ.get(PURE_PYTHON_ENV, "").strip().lower() not in ("", "0", "false", "no"):
+        return None
+    try:
+        from router.routing import _hotloop  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    if getattr(_hotloop, "LAYOUT_VERSION", None) != LAYOUT_VERSION:
+        warnings.warn(f"router/routing/_hotloop was built from another version of its source "
+                      f"(layout {getattr(_hotloop, 'LAYOUT_VERSION', None)}, expected {LAYOUT_VERSION}): "
+                      "using the Python loops; reinstall (make install) to rebuild it", RuntimeWarning)
+        return None
+    _hotloop.bind(Candidate, WorkerLoad, NOT_ON_RING)
+    return _hotloop
+
+
+hot: ModuleType | None = load()

@@ -1,0 +1,222 @@
+"""The compiled inner loops (router/routing/_hotloop.c) decide exactly as the Python loops do.
+
+Each scenario drives two Balancers through the same random history -- decisions acted on, first
+bytes, finishes with usage, load reports, KV events (GPU and CPU tier), workers leaving and coming back, excluded
+workers, every policy, affinities from 0 to 1, candidate limits that force the index's
+depth-on-demand lookup -- one with the C loops and one with ``hotloop.hot`` set to None, and
+compares every decision (worker, reason, predicted cached tokens, cost and every candidate's
+cost, to the bit) and every candidate set.
+"""
+from __future__ import annotations
+
+import math
+import os
+import random
+import shutil
+import sysconfig
+
+import pytest
+
+from protocol import KVEvent, LoadReport
+from router.routing import hotloop
+from router.routing.balancer import Balancer
+from router.routing.load import LoadBoard, SpeedProfile
+from router.routing.policies import get_policy
+from router.routing.policy import Candidate, NoCapacity, PolicyConfig, RouteRequest
+from router.routing.prompt import prompt_key
+
+C_LOOPS = hotloop.hot
+needs_c = pytest.mark.skipif(C_LOOPS is None, reason="the C loops are not built (no compiler, or PREFIXLB_PURE_PYTHON)")
+
+DOCS = ["".join(f"Document {d}, clause {i}: the tenant shall keep the premises in good repair. " for i in range(60))
+        for d in range(6)]
+
+
+def test_the_c_loops_are_built_wherever_a_compiler_is():
+    """`make install` builds them (setup.py); a silent fallback would lose the speed unnoticed."""
+    if os.environ.get(hotloop.PURE_PYTHON_ENV, "") not in ("", "0"):
+        pytest.skip("PREFIXLB_PURE_PYTHON is set")
+    if not shutil.which(sysconfig.get_config_var("CC").split()[0] if sysconfig.get_config_var("CC") else "cc"):
+        pytest.skip("no C compiler here: the Python loops are the build")
+    assert C_LOOPS is not None
+    assert C_LOOPS.LAYOUT_VERSION == hotloop.LAYOUT_VERSION
+
+
+def test_pure_python_env_turns_them_off(monkeypatch):
+    monkeypatch.setenv(hotloop.PURE_PYTHON_ENV, "1")
+    assert hotloop.load() is None
+    monkeypatch.setenv(hotloop.PURE_PYTHON_ENV, "0")
+    assert (hotloop.load() is not None) == (C_LOOPS is not None)
+
+
+def _history(seed: int, pure: bool, monkeypatch) -> list[tuple]:
+    """One random history (see the module docstring); returns what every decision said."""
+    monkeypatch.setattr(hotloop, "hot", None if pure else C_LOOPS)
+    rng = random.Random(seed)
+    policy = rng.choice(["cache_aware", "cache_aware", "cache_aware", "least_load", "consistent_hash"])
+    affinity = rng.choice([0.0, 0.2, 0.5, 0.8, 0.9, 1.0])
+    config = PolicyConfig(policy=policy, affinity=affinity, match_candidates=rng.choice([1, 2, 8]),
+                          ring_candidates=rng.choice([1, 3]), load_candidates=rng.choice([0, 2]),
+                          tie_tolerance=rng.choice([0.0, 0.05, 0.5]), tie_floor_s=rng.choice([0.0, 0.001, 1]))
+    board = LoadBoard(SpeedProfile(prefill_tokens_per_s=rng.choice([800.0, 5000.0]), decode_step_s=0.02))
+    b = Balancer(config, chunk_size=128, board=board, tokens_per_byte=rng.choice([0.25, 1.0]),
+                 feedback_clear_after=2)
+    workers = [f"w{i}" for i in range(rng.randint(1, 14))]
+    for w in workers:
+        b.add_worker(w, block_size=rng.choice([1, 16, 32]), max_num_seqs=rng.choice([None, 2, 64]))
+    seqs = dict.fromkeys(workers, 0)
+    tiered = rng.random() < 0.3  # CPU KV tiers: the candidate set's Python loop, choose's C loop
+    live: list = []
+    out: list[tuple] = []
+    now = 0.0
+    for step in range(160):
+        now += rng.choice([0.0, 0.001, 0.05, 0.4])
+        roll = rng.random()
+        if roll < 0.55:
+            doc = rng.choice(DOCS)
+            text = doc[:rng.randint(1, len(doc))] + ("" if rng.random() < 0.3 else f" question {rng.random()}")
+            session = f"user-{rng.randint(0, 5)}" if rng.random() < 0.2 else None
+            p = prompt_key({"model": rng.choice(["tiny", "big"]), "prompt": text}, chat=False, chunk_size=128,
+                           ring_key_chunks=8, session_key=session)
+            exclude = set(rng.sample(workers, rng.randint(0, min(2, len(workers))))) if rng.random() < 0.2 else set()
+            try:
+                d = b.decide(p, now, affinity=rng.choice([None, None, 0.0, 0.7, 1.0]), exclude=exclude)
+            except NoCapacity as e:
+                out.append(("no capacity", str(e), e.candidates))
+                continue
+            out.append((d.worker_id, d.reason, d.predicted_cached_tokens, d.cost_s.hex() if d.cost_s else d.cost_s,
+                        tuple((w, c.hex()) for w, c in d.costs), d.prompt_tokens, d.matched_chunks))
+            live.append(b.dispatch(d, p, now))
+        elif roll < 0.7 and live:
+            booking = live.pop(rng.randrange(len(live)))
+            b.first_byte(booking, now)
+            tokens = booking.decision.prompt_tokens + rng.randint(-20, 40)
+            b.finish(booking, now, usage=(max(1, tokens), rng.choice([None, 0, booking.decision.predicted_cached_tokens,
+                                                                     rng.randint(0, 400)])))
+        elif roll < 0.82:
+            w = rng.choice(workers)
+            b.apply_report(LoadReport(worker_id=w, running=rng.randint(0, 8), waiting=rng.randint(0, 4),
+                                      queued_prefill_tokens=rng.randint(0, 5000),
+                                      running_tokens=rng.randint(0, 9000),
+                                      capacity_tokens=rng.choice([0, 4096, 100000]),
+                                      max_num_seqs=rng.choice([0, 4, 64]),
+                                      prefill_tokens_per_s=rng.choice([0.0, 900.0, 12000.5]),
+                                      decode_step_s=rng.choice([0.0, 0.015]),
+                                      kv_tier_load_tokens_per_s=rng.choice([0.0, 2000.0, 1e6]), ts=now), now)
+        elif roll < 0.92:
+            w = rng.choice(workers)
+            seqs[w] += 1
+            doc = rng.choice(DOCS)
+            p = prompt_key({"model": "tiny", "prompt": doc[:rng.randint(200, len(doc))]}, chat=False,
+                           chunk_size=128, ring_key_chunks=8)
+            kind = rng.choice(["stored", "stored", "removed", "cleared"])
+            b.apply_kv_event(KVEvent(worker_id=w, kind=kind, hashes=[] if kind == "cleared" else p.hashes,
+                                     chunk_size=128, seq=seqs[w], ts=now,
+                                     medium=rng.choice(["gpu", "gpu", "cpu"]) if tiered else "gpu"), now)
+        else:
+            w = rng.choice(workers)
+            b.set_routable(w, rng.random() < 0.6)
+    return out
+
+
+@needs_c
+@pytest.mark.parametrize("seed", range(60))
+def test_random_histories_decide_the_same_with_and_without_the_c_loops(seed, monkeypatch):
+    compiled = _history(seed, pure=False, monkeypatch=monkeypatch)
+    python = _history(seed, pure=True, monkeypatch=monkeypatch)
+    assert compiled == python
+    assert any(d[0] != "no capacity" for d in compiled)
+
+
+@needs_c
+def test_the_candidate_sets_are_equal_field_for_field(monkeypatch):
+    rng = random.Random(7)
+    b = Balancer(PolicyConfig(match_candidates=2), chunk_size=128, tokens_per_byte=0.3)
+    for i in range(30):
+        b.add_worker(f"w{i}", block_size=rng.choice([1, 16]))
+    prompts = [prompt_key({"model": "m", "prompt": d[:rng.randint(500, len(d))]}, chat=False, chunk_size=128,
+                          ring_key_chunks=8) for d in DOCS * 4]
+    for p in prompts[:10]:
+        for w in rng.sample(range(30), 5):  # many holders: the index answers a depth lookup
+            b.index.insert(p.hashes[:rng.randint(1, len(p.hashes))], f"w{w}", 0.0, confirmed=True)
+    for p in prompts:
+        matches, complete = b.index.match_top(p.hashes, 0.1, 2)
+        if not complete:
+            from router.routing.balancer import _DepthLookup
+            matches = _DepthLookup(matches, b.index, p.hashes, 0.1)
+        monkeypatch.setattr(hotloop, "hot", C_LOOPS)
+        compiled = b.candidate_set(p, matches, 900, 0.1, frozenset(), b.config)
+        monkeypatch.setattr(hotloop, "hot", None)
+        python = b.candidate_set(p, matches, 900, 0.1, frozenset(), b.config)
+        assert compiled == python
+        assert [type(getattr(c, f)) for c in compiled for f in Candidate.__slots__] == \
+            [type(getattr(c, f)) for c in python for f in Candidate.__slots__]
+
+
+def _candidates(**overrides) -> list[Candidate]:
+    base = [Candidate(worker_id="a", tokens_per_s=1000.0, cached_tokens=512, pending_s=0.2, in_system=1,
+                      ring_rank=1, service_s=1.0),
+            Candidate(worker_id="b", tokens_per_s=1200.0, cached_tokens=0, pending_s=0.0, ring_rank=0, service_s=1.0),
+            Candidate(worker_id="c", tokens_per_s=900.0, cached_tokens=128, pending_s=0.05, service_s=1.0)]
+    for name, value in overrides.items():
+        setattr(base[0], name, value)
+    return base
+
+
+@needs_c
+@pytest.mark.parametrize("overrides", [
+    {"tokens_per_s": 1000},            # an int rate: Python's int arithmetic, not the C loop's
+    {"pending_s": 1},
+    {"cached_tokens": 2 ** 60},        # past 2**53
+    {"cached_tokens": True},
+    {"over_limit": 1},
+    {"in_system": 3.0},
+])
+def test_values_the_c_loop_was_not_written_for_get_pythons_answer(overrides, monkeypatch):
+    request = RouteRequest(prompt_tokens=2048, load_bound=2)
+    policy = get_policy("cache_aware")
+    assert C_LOOPS.choose(_candidates(**overrides), 4, 2048, 2, 16.0, 1.0, 4096.0, 0.001, 0.05) is NotImplemented
+    monkeypatch.setattr(hotloop, "hot", C_LOOPS)
+    compiled = policy.choose(request, _candidates(**overrides), PolicyConfig())
+    monkeypatch.setattr(hotloop, "hot", None)
+    assert compiled == policy.choose(request, _candidates(**overrides), PolicyConfig())
+
+
+@needs_c
+def test_a_zero_rate_raises_as_python_does_and_no_capacity_is_no_capacity(monkeypatch):
+    policy = get_policy("cache_aware")
+    request = RouteRequest(prompt_tokens=100, load_bound=1)
+    for hot in (C_LOOPS, None):
+        monkeypatch.setattr(hotloop, "hot", hot)
+        with pytest.raises(ZeroDivisionError):
+            policy.choose(request, _candidates(tokens_per_s=0.0), PolicyConfig())
+        full = _candidates()
+        for c in full:
+            c.over_limit = True
+        with pytest.raises(NoCapacity, match="in-flight limit"):
+            policy.choose(request, full, PolicyConfig())
+        with pytest.raises(NoCapacity, match="no workers"):
+            policy.choose(request, [], PolicyConfig())
+
+
+@needs_c
+def test_following_the_cache_and_exact_costs(monkeypatch):
+    """a = 1 with a unique longest match: only its holder competes; costs match bit for bit."""
+    policy = get_policy("cache_aware")
+    request = RouteRequest(prompt_tokens=4096, load_bound=3)
+    results = []
+    for hot in (C_LOOPS, None):
+        monkeypatch.setattr(hotloop, "hot", hot)
+        for affinity in (0.0, 0.5, 1.0):
+            d = policy.choose(request, _candidates(pending_s=50.0), PolicyConfig(affinity=affinity))
+            results.append((d.worker_id, d.reason, d.cost_s.hex(), [(w, c.hex()) for w, c in d.costs]))
+    assert results[:3] == results[3:]
+    assert results[2][0] == "a" and results[0][0] != "a"  # a=1 follows the cache past 50 s of backlog
+    assert all(math.isfinite(float.fromhex(c)) for _, c in results[2][3])
+
+
+@needs_c
+def test_an_unknown_worker_leaves_it_to_python():
+    """Python's loop raises its KeyError for a worker the board does not track; the C loop defers."""
+    assert C_LOOPS.candidates(["x"], [], {}, False, {}, {}, 1.0, 10, 0.0) is NotImplemented
+    assert C_LOOPS.candidates([], [], {}, False, {}, {}, 1.0, 10, 0.0) == []
