@@ -10,7 +10,9 @@ stable measure). ``--profile`` prints the top functions (cProfile, ~2× slower);
 prints the CPU time of the router's and the replicas' entry points (a timer around each call,
 ~0.5 µs per call added, and a nested timer's cost counts in its caller's time too);
 ``--replay N`` times the run's last ``N`` decisions again after it, ``Balancer.decide`` alone and
-uninstrumented, against the fleet as the run left it.
+uninstrumented, against the fleet as the run left it, and its candidate set and policy choice each
+alone (``hotloop``: with ``PREFIXLB_PURE_PYTHON=1`` both run their Python loops, the baseline of
+the compiled ones).
 """
 from __future__ import annotations
 
@@ -29,7 +31,9 @@ from bench.sim.fleet import FleetConfig, simulate
 from bench.sim.router import SimRouterConfig
 from bench.stats import summarize
 from bench.workloads import load_workload
-from router.routing.balancer import Balancer
+from router.routing.balancer import Balancer, _DepthLookup
+from router.routing.policies import get_policy
+from router.routing.policy import RouteRequest
 
 
 # (label, module, attribute path): what --breakdown times, nested calls indented under their callers.
@@ -119,6 +123,36 @@ def replay_us(calls: deque, rounds: int = 5) -> float:
     return best / len(calls) * 1e6
 
 
+def replay_parts_us(calls: deque, rounds: int = 5) -> dict[str, float]:
+    """CPU µs per call of a decision's two parts, on ``calls`` at the last one's time (best of
+    ``rounds``): ``candidate set`` (``Balancer.candidate_set``: ids, then each worker's record)
+    and ``choose`` (the policy's choice among them), each timed alone on inputs prepared first."""
+    now = calls[-1][2]
+    prepared = []
+    for balancer, prompt, _, args, kwargs in calls:
+        cfg = balancer.config
+        matches, complete = balancer.index.match_top(prompt.hashes, now, cfg.match_candidates)
+        if not complete:
+            matches = _DepthLookup(matches, balancer.index, prompt.hashes, now)
+        policy = get_policy(cfg.policy)
+        request = RouteRequest(prompt_tokens=balancer.estimate_tokens(prompt), affinity=kwargs.get("affinity"))
+        candidates = policy.candidates(balancer, request, prompt, matches, now, frozenset(), cfg)
+        prepared.append((balancer, prompt, matches, request, candidates, policy, cfg))
+    best = {"candidate set": float("inf"), "choose": float("inf")}
+    for _ in range(rounds):
+        gc.disable()
+        t = time.process_time()
+        for balancer, prompt, matches, request, _, _, cfg in prepared:
+            balancer.candidate_set(prompt, matches, request.prompt_tokens, now, frozenset(), cfg)
+        best["candidate set"] = min(best["candidate set"], time.process_time() - t)
+        t = time.process_time()
+        for _, _, _, request, candidates, policy, cfg in prepared:
+            policy.choose(request, candidates, cfg)
+        best["choose"] = min(best["choose"], time.process_time() - t)
+        gc.enable()
+    return {part: seconds / len(prepared) * 1e6 for part, seconds in best.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one scale measurement and print it."""
     p = argparse.ArgumentParser(prog="python -m bench.sim_scale", description=__doc__,
@@ -167,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     if decisions:
         print(f"Balancer.decide replayed: {replay_us(decisions):.1f} us CPU per decision "
               f"(the last {len(decisions)}, best of 5)")
+        parts = replay_parts_us(decisions)
+        print("  of which, each timed alone: " + ", ".join(f"{part} {us:.1f} us" for part, us in parts.items()))
     if prof:
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(12)

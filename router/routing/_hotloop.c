@@ -17,7 +17,7 @@
 #include <structmember.h>
 #include <math.h>
 
-#define LAYOUT_VERSION 1
+#define LAYOUT_VERSION 3
 
 enum { C_WORKER_ID, C_TOKENS_PER_S, C_CACHED, C_PENDING, C_IN_SYSTEM, C_OVER_LIMIT, C_RING_RANK,
        C_MATCHED, C_SERVICE, C_TRANSFER, C_ADAPTER, C_FIELDS };
@@ -25,9 +25,11 @@ static const char *const CANDIDATE_FIELDS[C_FIELDS] = {
     "worker_id", "tokens_per_s", "cached_tokens", "pending_s", "in_system", "over_limit", "ring_rank",
     "matched_chunks", "service_s", "transfer_s", "adapter_s"};
 
-enum { W_BUSY_UNTIL, W_SLOT_WAIT, W_RATE_NOW, W_IN_SYSTEM, W_OVER_LIMIT_NOW, W_SERVICE, W_BLOCK, W_FIELDS };
+enum { W_BUSY_UNTIL, W_SLOT_WAIT, W_RATE_NOW, W_IN_SYSTEM, W_OVER_LIMIT_NOW, W_SERVICE, W_BLOCK, W_HEAP_VERSION,
+       W_ROUTABLE, W_FIELDS };
 static const char *const LOAD_FIELDS[W_FIELDS] = {
-    "busy_until", "slot_wait_s", "rate_now", "in_system", "over_limit_now", "service_s", "block_size"};
+    "busy_until", "slot_wait_s", "rate_now", "in_system", "over_limit_now", "service_s", "block_size",
+    "heap_version", "routable"};
 
 static PyTypeObject *candidate_type = NULL;
 static PyTypeObject *load_type = NULL;
@@ -165,22 +167,9 @@ int_floor_div(long long a, long long b)
  * ``deep``: ``matches`` is a _DepthLookup (its ``get`` answers workers beyond its longest matches).
  */
 static PyObject *
-hot_candidates(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+build_records(PyObject *ids, PyObject *successors, PyObject *matches, int deep, PyObject *known, PyObject *loads,
+              double chunk_tokens, long long cap, double now)
 {
-    if (nargs != 9) {
-        PyErr_SetString(PyExc_TypeError, "candidates() takes 9 arguments");
-        return NULL;
-    }
-    PyObject *ids = args[0], *successors = args[1], *matches = args[2], *known = args[4], *loads = args[5];
-    int deep = PyObject_IsTrue(args[3]);
-    double chunk_tokens, now;
-    long long cap;
-    if (deep < 0)
-        return NULL;
-    if (candidate_type == NULL || !PyList_CheckExact(ids) || !PyList_CheckExact(successors)
-            || !PyDict_Check(matches) || !PyDict_CheckExact(known) || !PyDict_CheckExact(loads)
-            || !exact_float(args[6], &chunk_tokens) || !small_int(args[7], &cap) || !exact_float(args[8], &now))
-        Py_RETURN_NOTIMPLEMENTED;
     Py_ssize_t n = PyList_GET_SIZE(ids);
     PyObject *out = PyList_New(n);
     if (out == NULL)
@@ -297,6 +286,26 @@ fallback:
 error:
     Py_DECREF(out);
     return NULL;
+}
+
+static PyObject *
+hot_candidates(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "candidates() takes 9 arguments");
+        return NULL;
+    }
+    PyObject *ids = args[0], *successors = args[1], *matches = args[2], *known = args[4], *loads = args[5];
+    int deep = PyObject_IsTrue(args[3]);
+    double chunk_tokens, now;
+    long long cap;
+    if (deep < 0)
+        return NULL;
+    if (candidate_type == NULL || !PyList_CheckExact(ids) || !PyList_CheckExact(successors)
+            || !PyDict_Check(matches) || !PyDict_CheckExact(known) || !PyDict_CheckExact(loads)
+            || !exact_float(args[6], &chunk_tokens) || !small_int(args[7], &cap) || !exact_float(args[8], &now))
+        Py_RETURN_NOTIMPLEMENTED;
+    return build_records(ids, successors, matches, deep, known, loads, chunk_tokens, cap, now);
 }
 
 /* The fields of one candidate that choose() reads; 0 if one is not what it was written for. */
@@ -530,6 +539,380 @@ fallback:
     Py_RETURN_NOTIMPLEMENTED;
 }
 
+
+/* ring_successors(points, owners, key, count)
+ *
+ * WorkerRing.successors' walk: ``points`` the ring's sorted positions as native uint64 (bytes),
+ * ``owners`` the worker at each; the first ``count`` distinct workers clockwise from the first
+ * point after ``key & (2**64 - 1)`` (bisect_right), the owner first. NotImplemented for a key that
+ * is not an int, or a ring whose two halves disagree.
+ */
+static PyObject *
+ring_walk(PyObject *points, PyObject *owners, PyObject *key_obj, Py_ssize_t count)
+{
+    if (!PyBytes_CheckExact(points) || !PyList_CheckExact(owners) || !PyLong_Check(key_obj))
+        Py_RETURN_NOTIMPLEMENTED;
+    Py_ssize_t n = PyList_GET_SIZE(owners);
+    if (PyBytes_GET_SIZE(points) != n * (Py_ssize_t)sizeof(unsigned long long) || n == 0)
+        Py_RETURN_NOTIMPLEMENTED;
+    unsigned long long key = PyLong_AsUnsignedLongLongMask(key_obj);
+    if (key == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    const unsigned long long *pos = (const unsigned long long *)PyBytes_AS_STRING(points);
+    Py_ssize_t lo = 0, hi = n;  /* bisect_right: the first point > key */
+    while (lo < hi) {
+        Py_ssize_t mid = lo + (hi - lo) / 2;
+        if (key < pos[mid])
+            hi = mid;
+        else
+            lo = mid + 1;
+    }
+    Py_ssize_t i = lo == n ? 0 : lo;
+    PyObject *out = PyList_New(0);
+    if (out == NULL)
+        return NULL;
+    if (count <= 0)
+        return out;
+    if (PyList_Append(out, PyList_GET_ITEM(owners, i)) < 0)
+        goto error;
+    /* at most one lap: a ring of fewer distinct workers than ``count`` ends there */
+    for (Py_ssize_t steps = 1; steps < n && PyList_GET_SIZE(out) < count; steps++) {
+        if (++i == n)
+            i = 0;
+        PyObject *worker_id = PyList_GET_ITEM(owners, i);
+        int seen = 0;
+        for (Py_ssize_t j = 0; j < PyList_GET_SIZE(out) && !seen; j++) {
+            seen = PyObject_RichCompareBool(PyList_GET_ITEM(out, j), worker_id, Py_EQ);
+            if (seen < 0)
+                goto error;
+        }
+        if (!seen && PyList_Append(out, worker_id) < 0)
+            goto error;
+    }
+    return out;
+error:
+    Py_DECREF(out);
+    return NULL;
+}
+
+static PyObject *
+hot_ring_successors(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "ring_successors() takes 4 arguments");
+        return NULL;
+    }
+    Py_ssize_t count = PyLong_AsSsize_t(args[3]);
+    if (count == -1 && PyErr_Occurred())
+        return NULL;
+    return ring_walk(args[0], args[1], args[2], count);
+}
+
+/* a < b for two entries of the load heap, as Python compares them: (busy_until, version, worker_id)
+ * tuples, compared as floats and ints where they are exact (and no NaN), else by Python itself.
+ * 1, 0, or -1 with an exception set. */
+static int
+heap_less(PyObject *a, PyObject *b)
+{
+    if (PyTuple_CheckExact(a) && PyTuple_CheckExact(b) && PyTuple_GET_SIZE(a) == 3 && PyTuple_GET_SIZE(b) == 3) {
+        PyObject *fa = PyTuple_GET_ITEM(a, 0), *fb = PyTuple_GET_ITEM(b, 0);
+        if (PyFloat_CheckExact(fa) && PyFloat_CheckExact(fb)) {
+            double x = PyFloat_AS_DOUBLE(fa), y = PyFloat_AS_DOUBLE(fb);
+            if (!isnan(x) && !isnan(y)) {
+                if (x != y)
+                    return x < y;
+                long long va, vb;
+                if (small_int(PyTuple_GET_ITEM(a, 1), &va) && small_int(PyTuple_GET_ITEM(b, 1), &vb) && va != vb)
+                    return va < vb;
+            }
+        }
+    }
+    return PyObject_RichCompareBool(a, b, Py_LT);
+}
+
+/* heapq's sift-down (toward the root) of the entry at ``pos``; 0, or -1 with an exception set */
+static int
+heap_sift_down(PyObject *heap, Py_ssize_t start, Py_ssize_t pos)
+{
+    Py_ssize_t size = PyList_GET_SIZE(heap);
+    while (pos > start) {
+        Py_ssize_t parent = (pos - 1) >> 1;
+        int less = heap_less(PyList_GET_ITEM(heap, pos), PyList_GET_ITEM(heap, parent));
+        if (less < 0)
+            return -1;
+        if (size != PyList_GET_SIZE(heap)) {
+            PyErr_SetString(PyExc_RuntimeError, "list changed size during iteration");
+            return -1;
+        }
+        if (!less)
+            break;
+        PyObject *item = PyList_GET_ITEM(heap, pos);
+        PyList_SET_ITEM(heap, pos, PyList_GET_ITEM(heap, parent));
+        PyList_SET_ITEM(heap, parent, item);
+        pos = parent;
+    }
+    return 0;
+}
+
+/* heapq's sift-up from ``pos``: the smaller child rises until a leaf, then sift-down */
+static int
+heap_sift_up(PyObject *heap, Py_ssize_t pos)
+{
+    Py_ssize_t end = PyList_GET_SIZE(heap), start = pos, limit = end >> 1;
+    while (pos < limit) {
+        Py_ssize_t child = 2 * pos + 1;
+        if (child + 1 < end) {
+            int less = heap_less(PyList_GET_ITEM(heap, child), PyList_GET_ITEM(heap, child + 1));
+            if (less < 0)
+                return -1;
+            if (end != PyList_GET_SIZE(heap)) {
+                PyErr_SetString(PyExc_RuntimeError, "list changed size during iteration");
+                return -1;
+            }
+            if (!less)
+                child += 1;
+        }
+        PyObject *item = PyList_GET_ITEM(heap, pos);
+        PyList_SET_ITEM(heap, pos, PyList_GET_ITEM(heap, child));
+        PyList_SET_ITEM(heap, child, item);
+        pos = child;
+    }
+    return heap_sift_down(heap, start, pos);
+}
+
+/* heapq.heappop: a new reference, or NULL with an exception set */
+static PyObject *
+heap_pop(PyObject *heap)
+{
+    Py_ssize_t n = PyList_GET_SIZE(heap);
+    PyObject *last = PyList_GET_ITEM(heap, n - 1);
+    Py_INCREF(last);
+    if (PyList_SetSlice(heap, n - 1, n, NULL) < 0) {
+        Py_DECREF(last);
+        return NULL;
+    }
+    if (n == 1)
+        return last;
+    PyObject *top = PyList_GET_ITEM(heap, 0);  /* the list's reference becomes ours */
+    PyList_SET_ITEM(heap, 0, last);
+    if (heap_sift_up(heap, 0) < 0) {
+        Py_DECREF(top);
+        return NULL;
+    }
+    return top;
+}
+
+/* heapq.heappush; 0, or -1 with an exception set */
+static int
+heap_push(PyObject *heap, PyObject *item)
+{
+    if (PyList_Append(heap, item) < 0)
+        return -1;
+    return heap_sift_down(heap, 0, PyList_GET_SIZE(heap) - 1);
+}
+
+/* A worker record's field, a new reference (NULL with an exception set): read from its slot if it
+ * is a WorkerLoad, else looked up as Python would. */
+static PyObject *
+load_field(PyObject *w, int field)
+{
+    if (!Py_IS_TYPE(w, load_type))
+        return PyObject_GetAttrString(w, LOAD_FIELDS[field]);
+    PyObject *v = SLOT(w, load_off[field]);
+    if (v == NULL)
+        PyErr_SetString(PyExc_AttributeError, LOAD_FIELDS[field]);
+    return Py_XNewRef(v);
+}
+
+/* least_loaded(heap, workers, k, skip)
+ *
+ * LoadBoard.least_loaded: pop the heap of (busy_until, version, worker_id) until ``k`` routable
+ * workers under their hard limit and not in ``skip`` are found; stale entries (an old version, a
+ * worker gone or not routable) are dropped for good, the others pushed back. The same pops and
+ * pushes as heapq's, so the heap ends as the Python loop leaves it. NotImplemented, touching
+ * nothing, for arguments of other types than the board's (a list, a dict, a set).
+ */
+static PyObject *
+least_loaded(PyObject *heap, PyObject *workers, Py_ssize_t k, PyObject *skip)
+{
+    if (load_type == NULL || !PyList_CheckExact(heap) || !PyDict_CheckExact(workers) || !PyAnySet_Check(skip))
+        Py_RETURN_NOTIMPLEMENTED;
+    PyObject *out = PyList_New(0), *popped = PyList_New(0);
+    if (out == NULL || popped == NULL)
+        goto error;
+    while (PyList_GET_SIZE(heap) > 0 && PyList_GET_SIZE(out) < k) {
+        PyObject *item = heap_pop(heap);
+        if (item == NULL)
+            goto error;
+        PyObject *version = PySequence_GetItem(item, 1), *worker_id = PySequence_GetItem(item, 2);
+        if (version == NULL || worker_id == NULL) {
+            Py_XDECREF(version);
+            Py_XDECREF(worker_id);
+            Py_DECREF(item);
+            goto error;
+        }
+        PyObject *w = PyDict_GetItemWithError(workers, worker_id);  /* borrowed */
+        int keep = 0, pick = 0;
+        if (w == NULL && PyErr_Occurred()) {
+            keep = -1;
+        }
+        else if (w != NULL) {
+            Py_INCREF(w);
+            PyObject *current = load_field(w, W_HEAP_VERSION);
+            int stale = current == NULL ? -1 : PyObject_RichCompareBool(current, version, Py_NE);
+            Py_XDECREF(current);
+            int listed = 0;
+            if (stale == 0) {
+                PyObject *routable = load_field(w, W_ROUTABLE);
+                listed = routable == NULL ? -1 : PyObject_IsTrue(routable);
+                Py_XDECREF(routable);
+            }
+            keep = stale < 0 || listed < 0 ? -1 : (!stale && listed);
+            if (keep == 1) {
+                int skipped = PySet_Contains(skip, worker_id), over = -1;
+                if (skipped == 0) {
+                    PyObject *over_obj = load_field(w, W_OVER_LIMIT_NOW);
+                    over = over_obj == NULL ? -1 : PyObject_IsTrue(over_obj);
+                    Py_XDECREF(over_obj);
+                }
+                pick = skipped < 0 || (skipped == 0 && over < 0) ? -1 : (!skipped && !over);
+            }
+            Py_DECREF(w);
+        }
+        if (keep == 1 && PyList_Append(popped, item) < 0)
+            keep = -1;
+        if (pick == 1 && PyList_Append(out, worker_id) < 0)
+            pick = -1;
+        Py_DECREF(version);
+        Py_DECREF(worker_id);
+        Py_DECREF(item);
+        if (keep < 0 || pick < 0)
+            goto error;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(popped); i++) {
+        if (heap_push(heap, PyList_GET_ITEM(popped, i)) < 0)
+            goto error;
+    }
+    Py_DECREF(popped);
+    return out;
+error:
+    /* what was popped and kept goes back, so the heap loses no live entry */
+    if (popped != NULL) {
+        PyObject *exc_type, *exc_value, *exc_tb;
+        PyErr_Fetch(&exc_type, &exc_value, &exc_tb);
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(popped); i++) {
+            if (heap_push(heap, PyList_GET_ITEM(popped, i)) < 0)
+                PyErr_Clear();
+        }
+        PyErr_Restore(exc_type, exc_value, exc_tb);
+    }
+    Py_XDECREF(out);
+    Py_XDECREF(popped);
+    return NULL;
+}
+
+static PyObject *
+hot_least_loaded(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "least_loaded() takes 4 arguments");
+        return NULL;
+    }
+    Py_ssize_t k = PyLong_AsSsize_t(args[2]);
+    if (k == -1 && PyErr_Occurred())
+        return NULL;
+    return least_loaded(args[0], args[1], k, args[3]);
+}
+
+/* Append ``worker_id`` to ``ids`` unless it is there already (== as a dict's keys compare str); 0 or -1. */
+static int
+append_new(PyObject *ids, PyObject *worker_id)
+{
+    for (Py_ssize_t j = 0; j < PyList_GET_SIZE(ids); j++) {
+        int eq = PyObject_RichCompareBool(PyList_GET_ITEM(ids, j), worker_id, Py_EQ);
+        if (eq)
+            return eq < 0 ? -1 : 0;
+    }
+    return PyList_Append(ids, worker_id);
+}
+
+/* candidate_set(matches, deep, routable, points, owners, ring_key, ring_count, heap, workers,
+ *               load_count, chunk_tokens, cap, now)
+ *
+ * Balancer.candidate_set whole, for the common request (nothing excluded, no CPU KV tier, no
+ * precise backend's exact answer, no adapter): the ring walk, the ids -- the routable longest
+ * matches, the ring successors, the least-loaded workers, in that order without repeats -- and
+ * their records. NotImplemented if any part is (the least-loaded pops may have run: they leave the
+ * same live entries, and Python's candidate_ids pops them again).
+ */
+static PyObject *
+hot_candidate_set(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 13) {
+        PyErr_SetString(PyExc_TypeError, "candidate_set() takes 13 arguments");
+        return NULL;
+    }
+    PyObject *matches = args[0], *routable = args[2], *heap = args[7], *workers = args[8];
+    int deep = PyObject_IsTrue(args[1]);
+    Py_ssize_t ring_count = PyLong_AsSsize_t(args[6]), load_count;
+    double chunk_tokens, now;
+    long long cap;
+    if (deep < 0 || (ring_count == -1 && PyErr_Occurred()))
+        return NULL;
+    load_count = PyLong_AsSsize_t(args[9]);
+    if (load_count == -1 && PyErr_Occurred())
+        return NULL;
+    if (candidate_type == NULL || !PyDict_Check(matches) || !PyAnySet_Check(routable)
+            || !exact_float(args[10], &chunk_tokens) || !small_int(args[11], &cap) || !exact_float(args[12], &now))
+        Py_RETURN_NOTIMPLEMENTED;
+    PyObject *successors = NULL, *least = NULL, *ids = NULL, *known = NULL, *result = NULL;
+    if (ring_count <= 0) {  /* an empty ring */
+        successors = PyList_New(0);
+    }
+    else {
+        successors = ring_walk(args[3], args[4], args[5], ring_count);
+    }
+    if (successors == NULL || successors == Py_NotImplemented)
+        goto done;
+    ids = PyList_New(0);
+    if (ids == NULL)
+        goto done;
+    {
+        Py_ssize_t pos = 0;
+        PyObject *worker_id, *value;
+        while (PyDict_Next(matches, &pos, &worker_id, &value)) {  /* matches.keys(), in order */
+            int listed = PySet_Contains(routable, worker_id);
+            if (listed < 0 || (listed && append_new(ids, worker_id) < 0))
+                goto done;
+        }
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(successors); i++) {
+        if (append_new(ids, PyList_GET_ITEM(successors, i)) < 0)
+            goto done;
+    }
+    known = PyDict_New();
+    PyObject *no_skip = known == NULL ? NULL : PyFrozenSet_New(NULL);
+    if (no_skip == NULL)
+        goto done;
+    least = least_loaded(heap, workers, load_count, no_skip);
+    Py_DECREF(no_skip);
+    if (least == NULL || least == Py_NotImplemented)
+        goto done;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(least); i++) {
+        if (append_new(ids, PyList_GET_ITEM(least, i)) < 0)
+            goto done;
+    }
+    result = build_records(ids, successors, matches, deep, known, workers, chunk_tokens, cap, now);
+done:
+    if (result == NULL && !PyErr_Occurred() && (successors == Py_NotImplemented || least == Py_NotImplemented))
+        result = Py_NewRef(Py_NotImplemented);
+    Py_XDECREF(successors);
+    Py_XDECREF(least);
+    Py_XDECREF(ids);
+    Py_XDECREF(known);
+    return result;
+}
+
 static PyMethodDef hot_methods[] = {
     {"bind", hot_bind, METH_VARARGS, "bind(Candidate, WorkerLoad, NOT_ON_RING): learn the records' slot layouts."},
     {"candidates", (PyCFunction)(void (*)(void))hot_candidates, METH_FASTCALL,
@@ -537,6 +920,13 @@ static PyMethodDef hot_methods[] = {
     {"choose", (PyCFunction)(void (*)(void))hot_choose, METH_FASTCALL,
      "choose(candidates, spill_cap, prompt, bound, weight, shared_weight, knee, tie_floor, tie_tolerance)"
      " -> (chosen, cost, costs, near) | None | NotImplemented"},
+    {"ring_successors", (PyCFunction)(void (*)(void))hot_ring_successors, METH_FASTCALL,
+     "ring_successors(points, owners, key, count) -> list | NotImplemented"},
+    {"candidate_set", (PyCFunction)(void (*)(void))hot_candidate_set, METH_FASTCALL,
+     "candidate_set(matches, deep, routable, points, owners, ring_key, ring_count, heap, workers, load_count,"
+     " chunk_tokens, cap, now) -> list | NotImplemented"},
+    {"least_loaded", (PyCFunction)(void (*)(void))hot_least_loaded, METH_FASTCALL,
+     "least_loaded(heap, workers, k, skip) -> list | NotImplemented"},
     {NULL, NULL, 0, NULL},
 };
 

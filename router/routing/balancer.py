@@ -319,6 +319,19 @@ class Balancer:
         (:meth:`AdapterBoard.candidate_ids`, ``router/routing/adapters.py``).
         """
         adapter = prompt.adapter if cfg.adapter_routing else None
+        hot = hotloop.hot
+        if (hot is not None and not adapter and not exclude and not prompt.known_cached and not len(self.cpu_index)
+                and (type(matches) is dict or type(matches) is _DepthLookup) and len(self.ring)):
+            # The common request, this method and candidate_ids compiled whole (router/routing/_hotloop.c);
+            # NotImplemented for a value it was not written for, and then the Python below runs.
+            points, owners = self.ring.compiled_view()
+            heap, loads = self.board.heap_view()
+            built = hot.candidate_set(matches, type(matches) is _DepthLookup, self._routable, points, owners,
+                                      prompt.ring_key, min(cfg.ring_candidates, len(self.ring)), heap, loads,
+                                      cfg.load_candidates, self.chunk_size * self.tokens_per_byte(prompt.ratio_key),
+                                      prompt_tokens - 1, now)
+            if built is not NotImplemented:
+                return built
         if adapter:
             ids, successors = self.adapters.candidate_ids(self, adapter, exclude, cfg)
         else:
@@ -339,7 +352,6 @@ class Balancer:
         tiered = len(self.cpu_index) > 0
         # A _DepthLookup answers its longest matches as a dict would, and looks any other worker up.
         plain_get = dict.get if type(matches) is _DepthLookup else None
-        hot = hotloop.hot
         if hot is not None and not adapter and not tiered and (plain_get is not None or type(matches) is dict):
             # The same loop compiled (router/routing/_hotloop.c): NotImplemented if a value is not
             # one it was written for, and then this one runs.

@@ -246,6 +246,11 @@ class LoadBoard:
     def __len__(self) -> int:
         return len(self._workers)
 
+    def heap_view(self) -> tuple[list[tuple[float, int, str]], dict[str, WorkerLoad]]:
+        """(the least-backlog heap, the records by id): what the compiled candidate set reads and
+        pops as :meth:`least_loaded` does (router/routing/_hotloop.c)."""
+        return self._heap, self._workers
+
     def worker_ids(self) -> list[str]:
         """Every tracked worker id."""
         return list(self._workers)
@@ -262,6 +267,11 @@ class LoadBoard:
         a worker whose batch slots are all taken comes first if its prefill queue is empty: the
         slot wait in :meth:`WorkerLoad.pending_s` is not part of this order (module docstring).
         """
+        hot = hotloop.hot
+        if hot is not None:  # the loop below, compiled (router/routing/_hotloop.c): the same pops and pushes
+            found = hot.least_loaded(self._heap, self._workers, k, skip)
+            if found is not NotImplemented:
+                return found
         out: list[str] = []
         popped: list[tuple[float, int, str]] = []
         heap = self._heap
@@ -424,3 +434,7 @@ class LoadBoard:
         self._heap = [item for item in self._heap
                       if (w := workers.get(item[2])) is not None and w.heap_version == item[1]]
         heapq.heapify(self._heap)
+
+
+# At the end: hotloop binds WorkerLoad (above) when it is imported, and this module calls it.
+from router.routing import hotloop  # noqa: E402

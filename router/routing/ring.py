@@ -18,11 +18,14 @@ only its share.
 """
 from __future__ import annotations
 
+from array import array
 from bisect import bisect_right
 from typing import Iterable, Iterator
 
 import xxhash
 from uhashring import HashRing
+
+from router.routing import hotloop
 
 DEFAULT_VNODES = 160
 _MASK64 = 0xFFFFFFFFFFFFFFFF
@@ -41,6 +44,7 @@ class WorkerRing:
         self.vnodes = vnodes
         self._members: set[str] = set(worker_ids)
         self._points: list[int] = []
+        self._points_u64 = b""  # the same positions as native uint64s, for the compiled walk
         self._owners: list[str] = []
         self._dirty = True
 
@@ -72,6 +76,7 @@ class WorkerRing:
                         hash_fn=_ring_hash)
         points = ring.get_points()  # sorted (position, worker id)
         self._points = [p for p, _ in points]
+        self._points_u64 = array("Q", self._points).tobytes()
         self._owners = [w for _, w in points]
         self._dirty = False
 
@@ -88,6 +93,12 @@ class WorkerRing:
         start = self._start(key)  # may rebuild self._owners
         return self._owners[start]
 
+    def compiled_view(self) -> tuple[bytes, list[str]]:
+        """(the ring's positions as native uint64s, the worker at each): what the compiled walk reads."""
+        if self._dirty:
+            self._rebuild()
+        return self._points_u64, self._owners
+
     def successors(self, key: int, count: int) -> list[str]:
         """The first ``count`` distinct workers clockwise from ``key`` (the owner first)."""
         if not self._members or count <= 0:
@@ -95,6 +106,11 @@ class WorkerRing:
         count = min(count, len(self._members))
         if self._dirty:
             self._rebuild()
+        hot = hotloop.hot
+        if hot is not None:  # the walk below, compiled (router/routing/_hotloop.c)
+            found = hot.ring_successors(self._points_u64, self._owners, key, count)
+            if found is not NotImplemented:
+                return found
         # _start written out (every decision asks this)
         points = self._points
         i = bisect_right(points, key & _MASK64 if isinstance(key, int) else _ring_hash(key))

@@ -220,3 +220,55 @@ def test_an_unknown_worker_leaves_it_to_python():
     """Python's loop raises its KeyError for a worker the board does not track; the C loop defers."""
     assert C_LOOPS.candidates(["x"], [], {}, False, {}, {}, 1.0, 10, 0.0) is NotImplemented
     assert C_LOOPS.candidates([], [], {}, False, {}, {}, 1.0, 10, 0.0) == []
+
+
+@needs_c
+def test_ring_walks_agree_for_any_key_and_count(monkeypatch):
+    from router.routing.ring import WorkerRing
+    rng = random.Random(3)
+    for size in (1, 2, 3, 7, 40):
+        ring = WorkerRing([f"w{i}" for i in range(size)], vnodes=rng.choice([1, 4, 160]))
+        keys = [rng.getrandbits(64) for _ in range(300)] + [0, 2 ** 64 - 1, -1, -(2 ** 70), 2 ** 80 + 5, True]
+        keys += ring._points[:5] if ring._points else [p for p in ring._points]
+        ring.successors(0, 1)  # built
+        keys += ring._points[:20] + [p - 1 for p in ring._points[:20]]
+        for key in keys:
+            for count in (0, 1, 3, size, size + 2):
+                monkeypatch.setattr(hotloop, "hot", C_LOOPS)
+                compiled = ring.successors(key, count)
+                monkeypatch.setattr(hotloop, "hot", None)
+                assert compiled == ring.successors(key, count), (size, key, count)
+    assert C_LOOPS.ring_successors(b"", [], 5, 3) is NotImplemented
+    assert C_LOOPS.ring_successors(b"\0" * 8, ["a"], "key", 3) is NotImplemented
+
+
+@needs_c
+def test_least_loaded_pops_and_pushes_as_heapq_does(monkeypatch):
+    """Same answer and the very same heap afterwards, stale entries dropped alike."""
+    rng = random.Random(11)
+    for trial in range(40):
+        boards = []
+        for hot in (C_LOOPS, None):
+            monkeypatch.setattr(hotloop, "hot", hot)
+            board = LoadBoard(SpeedProfile(max_num_seqs=2))
+            r = random.Random(trial)
+            ids = [f"w{i}" for i in range(r.randint(1, 30))]
+            for w in ids:
+                board.add_worker(w)
+            answers = []
+            for step in range(200):
+                w = r.choice(ids)
+                roll = r.random()
+                if roll < 0.4:
+                    board.dispatch(w, r.randint(1, 5000), step * 0.01)
+                elif roll < 0.5:
+                    board.set_routable(w, r.random() < 0.7)
+                elif roll < 0.55:
+                    board.remove_worker(w)
+                    board.add_worker(w)
+                skip = frozenset(r.sample(ids, r.randint(0, min(3, len(ids)))))
+                answers.append(board.least_loaded(r.choice([0, 1, 2, 5]), step * 0.01, skip))
+            boards.append((answers, list(board._heap)))
+        assert boards[0] == boards[1]
+    assert C_LOOPS.least_loaded((), {}, 2, frozenset()) is NotImplemented
+    assert C_LOOPS.least_loaded([], {}, 2, ["not", "a set"]) is NotImplemented
