@@ -20,6 +20,7 @@ from router.http.front import Front
 from router.http.admission import RETRY_AFTER_S
 from router.http.siblings import HEADER_PROCESS, ProcessSlot, Siblings
 from router.config import RouterConfig
+from router.routing import hotloop
 from router.context import RouterContext, build_context, start, stop
 
 log = logging.getLogger("prefixlb.router")
@@ -138,8 +139,9 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, slot: Pro
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stopping.set)
         log.info("event=router_listening host=%s port=%d admin_port=%d policy=%s affinity=%s workers=%d redis=%s "
-                 "process=%s", cfg.host, cfg.port, cfg.admin_port or cfg.port, cfg.policy, cfg.affinity,
-                 len(ctx.registry), bool(cfg.redis), f"{slot.index + 1}/{slot.count}" if slot else "1/1")
+                 "process=%s compiled_loops=%s", cfg.host, cfg.port, cfg.admin_port or cfg.port, cfg.policy,
+                 cfg.affinity, len(ctx.registry), bool(cfg.redis), f"{slot.index + 1}/{slot.count}" if slot else "1/1",
+                 hotloop.hot is not None)
         if ready is not None:
             ready.set()
         await stopping.wait()
