@@ -9,7 +9,8 @@ ledger's families.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from router.cost.ledger import UsageLedger
 from router.cost.metrics import ledger_families

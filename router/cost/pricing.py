@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from router.cost.price_book import HostedPrice, ModelPrice, SelfHostedPrice
 from router.routing.policy import prefill_seconds
