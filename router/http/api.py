@@ -180,9 +180,12 @@ async def forward(request: web.Request, raw: bytes, body: dict, chat: bool, *, s
         status = 499  # the client went away
         raise
     finally:
-        # a model no worker serves is not a label: clients must not grow the metric's series
-        _access(ctx, preq, model, model if model in served else "unknown", status,
-                time.perf_counter() - started, tenant_of_request(request, cfg.api_keys, session))
+        # a model no worker serves is not a label: clients must not grow the metric's series.
+        # Logged and counted in the loop's next turn, once the answer has been written: the client
+        # does not wait for it (its next request arrives in a later turn and finds it counted).
+        asyncio.get_running_loop().call_soon(
+            _access, ctx, preq, model, model if model in served else "unknown", status,
+            time.perf_counter() - started, tenant_of_request(request, cfg.api_keys, session))
 
 
 def tenant_of_request(request: web.Request, api_keys: Sequence[str], session: str | None) -> str:

@@ -14,6 +14,7 @@ by any exit, and nothing else does.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -31,13 +32,14 @@ class BookedAttempt:
     """A worker booked for one attempt (see the module docstring); ``usage`` is what the worker
     reported (its usage object), set by whoever read the answer, and learnt from on release."""
 
-    __slots__ = ("balancer", "metrics", "booking", "usage")
+    __slots__ = ("balancer", "metrics", "booking", "usage", "after_answer")
 
     def __init__(self, balancer: Balancer, metrics: RouterMetrics, booking: Booking) -> None:
         self.balancer = balancer
         self.metrics = metrics
         self.booking = booking
         self.usage: dict[str, Any] | None = None
+        self.after_answer = False
 
     @property
     def decision(self) -> Decision:
@@ -51,7 +53,20 @@ class BookedAttempt:
     def __enter__(self) -> "BookedAttempt":
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def release_after_answer(self) -> None:
+        """Leaving the block normally now releases the booking in the event loop's next turn, once
+        the answer in hand has been written to its client: the client does not wait for the
+        bookkeeping. (The next request that can see the worker arrives in a later turn, so it
+        finds the booking released; a failure still releases at once, before any retry.)"""
+        self.after_answer = True
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is None and self.after_answer:
+            asyncio.get_running_loop().call_soon(self._release)
+        else:
+            self._release()
+
+    def _release(self) -> None:
         numbers = usage_numbers(self.usage)
         self.balancer.finish(self.booking, time.time(), numbers)
         if numbers is not None:

@@ -263,7 +263,9 @@ class Proxy:
                     access.ttfb_s, access.booking = loop.time() - arrived, booking
                     if preq.stream and upstream.status == 200:
                         return await self._stream(request, preq, booking, upstream, first)
-                    return self._complete(booking, upstream, first, preq.request_id, preq.response_headers)
+                    response = self._complete(booking, upstream, first, preq.request_id, preq.response_headers)
+                    booking.release_after_answer()
+                    return response
             self._attempt_failed(worker_id, failure, attempts)
             excluded.add(worker_id)
 
