@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from bench.peers.launch import DEFAULT_VENV, peer_env, start_peer
+from bench.peers.launch import DEFAULT_VENV, ROOT, peer_env, start_peer
 from protocol.loopback import free_port, wait_http_ok
 
 
@@ -175,6 +175,14 @@ class Cluster:
         popen = start_peer(name, port, policy, [w.url for w in workers], metrics, log, venv)
         proc = Process(f"{name}-{policy}", popen, log, f"http://127.0.0.1:{port}")
         self.procs.append(proc)
+        proc.wait_ready("/v1/models", timeout)
+        return proc
+
+    def floor(self, workers: Sequence[Process], timeout: float = 30.0) -> Process:
+        """Start ``bench/peers/floor.py`` (the floor of a Python router) in front of ``workers``."""
+        port = free_port()
+        proc = self._start("python-floor", [sys.executable, "-m", "bench.peers.floor", "--port", str(port),
+                                            *[w.url for w in workers]], port, cwd=ROOT)
         proc.wait_ready("/v1/models", timeout)
         return proc
 

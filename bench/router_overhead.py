@@ -4,7 +4,8 @@
     python -m bench.router_overhead --quick
     python -m bench.router_overhead --peers        # beside sglang-router and vllm-router, 4 workers
 
-``--peers`` is ``bench/peers/overhead.py``: prefixlb, sglang-router 0.3.2 and vllm-router 0.1.17
+``--peers`` is ``bench/peers/overhead.py``: prefixlb, sglang-router 0.3.2, vllm-router 0.1.17 and the
+floor of a Python router (``bench/peers/floor.py``)
 in front of the same simulated workers, interleaved rounds; what follows is the default mode.
 
 One simulated worker (``prefixlb worker --simulate --time-scale 1000``: the same HTTP server,

@@ -1,6 +1,7 @@
 """The router's own cost beside the peers': ``python -m bench.router_overhead --peers``.
 
-prefixlb, sglang-router and vllm-router (from ``.venv-peers``, ``bench/peers/install.sh``) each in
+prefixlb, sglang-router and vllm-router (from ``.venv-peers``, ``bench/peers/install.sh``), and the
+floor of a Python router (``bench/peers/floor.py``: a bare relay on uvloop), each in
 front of the same simulated workers (``prefixlb worker --simulate --time-scale 1000``: the real
 HTTP server, near-zero model time), all real processes on loopback, and the workers called
 directly as the baseline. Each round measures every target, in an order rotated from round to
@@ -35,7 +36,8 @@ from bench.peers.launch import DEFAULT_VENV, PEERS
 from bench.stats import percentile
 from protocol.loopback import wait_http_ok
 
-ROUTERS = ("prefixlb", *PEERS)
+FLOOR = "python-floor"  # bench/peers/floor.py: what no Python router on uvloop can go below
+ROUTERS = ("prefixlb", *PEERS, FLOOR)
 PROMPTS = 16
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -139,7 +141,9 @@ def start(c: Cluster, routers: Sequence[str], workers: int, policy: str, venv: P
     fleet = c.workers(workers, time_scale=1000)
     targets = [Target("direct", [w.url for w in fleet])]
     for name in [*routers, *(["prefixlb@baseline"] if baseline else [])]:
-        if name.startswith("prefixlb"):
+        if name == FLOOR:
+            proc = c.floor(fleet)
+        elif name.startswith("prefixlb"):
             proc = c.router(fleet, policy, source=baseline if name == "prefixlb@baseline" else None)
             wait_http_ok(proc.url + "/health", 30, accept=lambda b: json.loads(b)["routable_workers"] == workers)
         else:
@@ -205,4 +209,9 @@ def report(result: dict) -> str:
             lines.append(f"prefixlb / {other}: CPU per request {p['cpu_us_per_request'] / s['cpu_us_per_request']:.2f}x, "
                          f"added p50 {p['added_p50_ms']:.2f} vs {s['added_p50_ms']:.2f} ms, "
                          f"req/s {p['req_per_s'] / s['req_per_s']:.2f}x")
+    if "prefixlb" in rows and FLOOR in rows:
+        p, f = rows["prefixlb"], rows[FLOOR]
+        lines.append(f"prefixlb over {FLOOR} (its own work, beyond the event loop and sockets): CPU per request "
+                     f"+{p['cpu_us_per_request'] - f['cpu_us_per_request']:.0f} µs, added p50 "
+                     f"+{p['added_p50_ms'] - f['added_p50_ms']:.2f} ms")
     return "\n".join(lines)

@@ -22,7 +22,7 @@ def _run(*args: str) -> dict:
                           cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     table, _, blob = proc.stdout.partition("\n{")
-    assert "| prefixlb |" in table
+    assert "| direct |" in table
     return json.loads("{" + blob)
 
 
@@ -47,11 +47,18 @@ def test_peers_mode_measures_prefixlb_and_a_baseline_checkout_against_the_worker
     assert "cpu_us_per_request" not in direct and direct["req_per_s"] > 0
 
 
+def test_peers_mode_measures_the_python_floor_streaming_and_not():
+    result = _run("--routers", "python-floor")
+
+    assert list(result["targets"]) == ["direct", "python-floor"]
+    _assert_measured(result["targets"]["python-floor"])
+
+
 @pytest.mark.skipif(not (PEERS_VENV / "bin" / "vllm-router").exists(),
                     reason="peer routers not installed (bench/peers/install.sh; PREFIXLB_PEERS_VENV)")
 def test_peers_mode_measures_sglang_router_and_vllm_router_in_the_same_run():
     result = _run("--peers-venv", str(PEERS_VENV))
 
-    assert list(result["targets"]) == ["direct", "prefixlb", "sglang-router", "vllm-router"]
-    for name in ("prefixlb", "sglang-router", "vllm-router"):
+    assert list(result["targets"]) == ["direct", "prefixlb", "sglang-router", "vllm-router", "python-floor"]
+    for name in ("prefixlb", "sglang-router", "vllm-router", "python-floor"):
         _assert_measured(result["targets"][name])
