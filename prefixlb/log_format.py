@@ -13,6 +13,7 @@ import json
 import logging
 import re
 import sys
+import time
 from datetime import datetime, timezone
 from typing import Any
 
@@ -50,6 +51,24 @@ class JSONFormatter(logging.Formatter):
         return json.dumps(out, ensure_ascii=False, default=str)
 
 
+class TextFormatter(logging.Formatter):
+    """``TEXT_FORMAT``, with the time's seconds formatted once per second (the access log writes
+    a line per request; ``time.strftime`` was a sixth of a line's cost). The same text as
+    ``logging.Formatter``'s default ``asctime``."""
+
+    def __init__(self) -> None:
+        super().__init__(TEXT_FORMAT)
+        self._second: int | None = None
+        self._text = ""
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802 - logging's name
+        second = int(record.created)
+        if second != self._second:
+            self._text = time.strftime(self.default_time_format, self.converter(record.created))
+            self._second = second
+        return self.default_msec_format % (self._text, record.msecs)
+
+
 def configure_logging(level: str, log_format: str) -> None:
     """Send the process's logs to stderr at ``level`` in ``log_format`` (text or json)."""
     # No format of ours names a thread, process or source line: a record skips looking them up
@@ -57,5 +76,5 @@ def configure_logging(level: str, log_format: str) -> None:
     logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
     logging._srcfile = None  # type: ignore[attr-defined]
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JSONFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT))
+    handler.setFormatter(JSONFormatter() if log_format == "json" else TextFormatter())
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
