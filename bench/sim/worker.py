@@ -272,6 +272,10 @@ class SimWorker:
             self._run = run
             self._end = now + decode_run_time(self._oh, *run)
             return self._end
+        return self._start_scheduled_step(now)
+
+    def _start_scheduled_step(self, now: float) -> float | None:
+        """Start the step the scheduler picks (no decode run applies); the time it ends, None if empty."""
         batch, shape = self._schedule()
         if not batch and not self._decodes:  # (AggregateWorker's batch lists prefill chunks only)
             self._end = None
