@@ -30,7 +30,7 @@ import heapq
 from worker.engine.kv_cache.kv_tier import KVTier
 from worker.simulator.latency import LatencyModel, StepShape
 
-from bench.sim.decode_run import observe_decode_run
+from bench.sim.decode_run import decode_run_time, observe_decode_run
 from bench.sim.lora import SimLoRA
 from bench.sim.worker import SimRequest, SimWorker, is_decode
 
@@ -108,7 +108,21 @@ class AggregateWorker(SimWorker):
         b = self._ndec
         if not self.decode_runs or not b or b != len(self.running) or self.waiting and self._can_admit_head():
             return None
-        k = min(self._next_finish(), self._next_block_need()) - self._tick
+        # min(_next_finish(), _next_block_need()) written out: once per step or run of a replica.
+        heap = self._finish_at
+        top = heap[0]
+        while top[2].dseq != top[1]:
+            heapq.heappop(heap)
+            top = heap[0]
+        end = top[0]
+        heap = self._block_at
+        top = heap[0]
+        while top[3].dseq != top[1] or len(top[3].blocks) != top[2]:
+            heapq.heappop(heap)
+            top = heap[0]
+        if top[0] < end:
+            end = top[0]
+        k = end - self._tick
         if k < 2:
             return None
         ctx = self.running_tokens  # every running request is decoding
@@ -118,21 +132,36 @@ class AggregateWorker(SimWorker):
             c0, m0 = self._with_lora(c0, m0, b)
         return (c0, self._c_ctx * b, m0, self._m_ctx * b, k)
 
+    def _start_step(self, now: float) -> float | None:
+        # SimWorker._start_step without its copy of the running list: a decode run's batch is
+        # the decoding prefix, which this worker tracks itself.
+        self.version += 1
+        self._start = now
+        run = self._decode_run()
+        if run is not None:
+            self._run = run
+            self._end = end = now + decode_run_time(self._oh, *run)
+            return end
+        return self._start_scheduled_step(now)
+
     def on_event(self, now: float) -> float | None:
         self.busy_s += now - self._start
-        if self._run is not None:
-            c0, c1, m0, m1, k = self._run
+        run = self._run
+        if run is not None:
+            c0, c1, m0, m1, k = run
             b = self._ndec
             # The engine measures every step; the run's k steps are folded in at once.
             observe_decode_run(self.speed, self._oh, c0, c1, m0, m1, k, b)
-            self._tick += k
+            self._tick = tick = self._tick + k
             self.running_tokens += k * b
-            self._finish(self._pop_finished(), now)
+            heap = self._finish_at
+            if heap and heap[0][0] <= tick:  # most runs end on a finish; the others on a block need
+                self._finish(self._pop_finished(), now)
+            self._run = None
         else:
             self.speed.observe(now - self._start - self._finish_copies(), *self._step_work)
             self._apply_step(now)
-        self._run = None
-        self._batch = []
+            self._batch = []
         self._end = None
         if self.waiting or self.running:
             return self._start_step(now)
@@ -200,8 +229,9 @@ class AggregateWorker(SimWorker):
         return scheduled, shape
 
     def _apply_step(self, now: float) -> None:
-        self._tick += 1  # every decoding request got its token
-        done = self._pop_finished()
+        self._tick = tick = self._tick + 1  # every decoding request got its token
+        heap = self._finish_at
+        done = self._pop_finished() if heap and heap[0][0] <= tick else []
         decodes = self._ndec  # the decoding prefix, as scheduled: one token each
         for req, n in self._batch:  # the other chunks
             if self._apply_prefill(req, n, now):
@@ -211,7 +241,8 @@ class AggregateWorker(SimWorker):
                 else:
                     self._join(req)
         self.running_tokens += decodes
-        self._finish(done, now)
+        if done:
+            self._finish(done, now)
 
     def _preempt(self, req: SimRequest) -> None:
         if req.dseq >= 0:

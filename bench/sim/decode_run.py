@@ -59,14 +59,40 @@ def decode_run_time(overhead: float, c0: float, c1: float, m0: float, m1: float,
 def decode_steps_done_by(elapsed: float, overhead: float, c0: float, c1: float, m0: float, m1: float,
                          k: int) -> int:
     """How many of the ``k`` steps have ended ``elapsed`` seconds after the run started."""
+    return _steps_done_by(elapsed, overhead, c0, c1, m0, m1, k)[0]
+
+
+def decode_run_cut(elapsed: float, overhead: float, c0: float, c1: float, m0: float, m1: float,
+                   k: int) -> tuple[int, float] | None:
+    """The run cut after its step in progress ``elapsed`` seconds in: ``(m, seconds)``, its first
+    ``m = decode_steps_done_by(...) + 1`` steps and their :func:`decode_run_time`; None when that
+    is all ``k`` of them (nothing to cut)."""
+    done, seconds = _steps_done_by(elapsed, overhead, c0, c1, m0, m1, k)
+    m = done + 1
+    if m >= k:
+        return None
+    if seconds is None:
+        seconds = decode_run_time(overhead, c0, c1, m0, m1, m)
+    return m, seconds
+
+
+def _steps_done_by(elapsed: float, overhead: float, c0: float, c1: float, m0: float, m1: float,
+                   k: int) -> tuple[int, float | None]:
+    """``(done, seconds)``: :func:`decode_steps_done_by`, and the :func:`decode_run_time` of
+    ``done + 1`` steps where the search computed it (None where not)."""
     # Steps never get shorter (c1, m1 >= 0), so at most elapsed / (first step) of them fit: start
     # from that bound, which the run's slow growth makes nearly exact, and step down.
     first = overhead + max(c0, m0)
     if c1 >= 0 and m1 >= 0 and first > 0:
         guess = min(k, int(elapsed / first) + 1)
+        above: float | None = None  # the run time of guess + 1 steps, once computed
         for _ in range(3):
-            if guess <= 0 or decode_run_time(overhead, c0, c1, m0, m1, guess) <= elapsed:
-                return max(guess, 0)
+            if guess <= 0:
+                return max(guess, 0), above if guess == 0 else None
+            seconds = decode_run_time(overhead, c0, c1, m0, m1, guess)
+            if seconds <= elapsed:
+                return guess, above
+            above = seconds
             guess -= 1
     lo, hi = 0, k
     while lo < hi:
@@ -75,7 +101,7 @@ def decode_steps_done_by(elapsed: float, overhead: float, c0: float, c1: float, 
             lo = mid
         else:
             hi = mid - 1
-    return lo
+    return lo, None
 
 
 def observe_decode_run(speed: SpeedMeter, overhead: float, c0: float, c1: float, m0: float, m1: float, k: int,

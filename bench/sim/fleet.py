@@ -230,8 +230,10 @@ def _simulate(workload: Workload, cfg: FleetConfig, progress: Callable[[int], No
             if version != w.version:
                 continue
             nxt = w.on_event(when)
-            if w.first_tokens:
-                for req in w.take_first_tokens():
+            first = w.first_tokens  # (w.take_first_tokens(), without the call on every event)
+            if first:
+                w.first_tokens = []
+                for req in first:
                     if hop:
                         seq += 1
                         heappush(delayed, (when + hop, seq, on_first_token, (req, when + hop)))
@@ -246,8 +248,10 @@ def _simulate(workload: Workload, cfg: FleetConfig, progress: Callable[[int], No
                                            (w.worker_id, kind, hashes, when + kv_delay, medium)))
                     else:
                         on_kv(w.worker_id, kind, hashes, when, medium)
-            if w.finished:
-                for req in w.take_finished():
+            finished = w.finished  # (w.take_finished())
+            if finished:
+                w.finished = []
+                for req in finished:
                     if hop:
                         seq += 1
                         heappush(delayed, (when + hop, seq, on_finish, (req, when + hop)))
@@ -307,12 +311,14 @@ def _simulate(workload: Workload, cfg: FleetConfig, progress: Callable[[int], No
         if r.error is None and r.finished_at is None:
             r.error = "did not finish"
         ok = r.error is None
+        # positional (index, sent_s, worker_id, ttft_ms, e2e_ms, prompt_tokens, cached_tokens,
+        # completion_tokens, error, session): keywords to a class make CPython 3.11 pack a dict
         records.append(RequestRecord(
-            index=r.index, sent_s=r.arrival, worker_id=r.worker_id,
-            ttft_ms=(r.first_token_at - r.arrival + 2 * hop + ingest * r.num_prompt) * 1000.0 if ok else None,
-            e2e_ms=(r.finished_at - r.arrival + 2 * hop + ingest * r.num_prompt) * 1000.0 if ok else None,
-            prompt_tokens=r.num_prompt if ok else 0, cached_tokens=max(0, r.cached_tokens) if ok else 0,
-            completion_tokens=r.max_tokens if ok else 0, error=r.error, session=r.session))
+            r.index, r.arrival, r.worker_id,
+            (r.first_token_at - r.arrival + 2 * hop + ingest * r.num_prompt) * 1000.0 if ok else None,
+            (r.finished_at - r.arrival + 2 * hop + ingest * r.num_prompt) * 1000.0 if ok else None,
+            r.num_prompt if ok else 0, max(0, r.cached_tokens) if ok else 0,
+            r.max_tokens if ok else 0, r.error, r.session))
     span = max(1e-9, end - (requests[0].arrival if requests else 0.0))
     meta = {
         "kind": "sim",

@@ -104,6 +104,7 @@ class SimRouter:
         for w in workers:
             self.balancer.add_worker(w.worker_id, block_size=block_size, max_num_seqs=w.max_num_seqs)
         self.bookings: dict[int, Booking] = {}
+        self._ring_key_chunks = max(1, -(-cfg.ring_key_bytes // unit))
         self.reasons: dict[str, int] = {}
         self._event_seq: dict[str, int] = {}
 
@@ -111,7 +112,7 @@ class SimRouter:
         """The routing view of a simulated request (its text is never built)."""
         num_bytes = req.num_prompt - 1 if req.num_prompt > 1 else req.num_prompt
         data = req.index.to_bytes(8, "little")  # stands in for a prompt shorter than one unit
-        key = ring_key_of(data, req.block_hashes, 0, max(1, -(-self.cfg.ring_key_bytes // self.unit)), req.session)
+        key = ring_key_of(data, req.block_hashes, 0, self._ring_key_chunks, req.session)
         # positional (model, num_bytes, hashes, ring_key, session_key, chat, tokens, known_cached,
         # adapter): a keyword would make CPython 3.11 pack the call into a dict, once per request
         return PromptKey(SIM_MODEL, num_bytes, req.block_hashes, key, req.session, False, None, None, req.lora_name)
@@ -119,9 +120,11 @@ class SimRouter:
     def route(self, req: SimRequest, now: float) -> Decision:
         """Choose a worker for ``req`` and book it (raises ``NoCapacity`` like the router)."""
         prompt = self.prompt_key(req)
-        decision = self.balancer.decide(prompt, now)
-        self.bookings[req.index] = self.balancer.dispatch(decision, prompt, now)
-        self.reasons[decision.reason] = self.reasons.get(decision.reason, 0) + 1
+        balancer = self.balancer
+        decision = balancer.decide(prompt, now)
+        self.bookings[req.index] = balancer.dispatch(decision, prompt, now)
+        reasons = self.reasons
+        reasons[decision.reason] = reasons.get(decision.reason, 0) + 1
         return decision
 
     def on_first_token(self, req: SimRequest, now: float) -> None:

@@ -53,7 +53,7 @@ from worker.engine.stats import ATTENTION_KNEE_TOKENS, engine_speed_meter
 from worker.simulator.latency import LatencyModel, StepShape
 from worker.simulator.runner import nominal_speed
 
-from bench.sim.decode_run import decode_run_time, decode_steps_done_by, observe_decode_run
+from bench.sim.decode_run import decode_run_cut, decode_run_time, decode_steps_done_by, observe_decode_run
 from bench.sim.lazy_pool import LazyBlockPool
 from bench.sim.lora import SimLoRA
 
@@ -157,6 +157,7 @@ class SimWorker:
         self._run: tuple[float, float, float, float, int] | None = None  # (c0, c1, m0, m1, k)
         self.busy_s = 0.0
         self.num_preemptions = 0
+        self._head_hits: tuple[SimRequest, list, int] | None = None  # see _can_admit_head
         # Measured speed, as the engine measures it (``worker.engine.stats.SpeedMeter``) and reports it.
         self.speed = engine_speed_meter(*nominal_speed(latency), max_num_batched_tokens)
         # (prefill tokens, decoding sequences, prefill work) of the step in flight (SpeedMeter.observe)
@@ -189,22 +190,24 @@ class SimWorker:
     def add(self, req: SimRequest, now: float) -> float | None:
         """Queue ``req`` at ``now``; returns the time of this worker's next event."""
         req.worker_id = self.worker_id
-        req.prefill_left = req.num_tokens - req.num_computed_tokens
+        req.prefill_left = left = req.num_prompt + req.num_output - req.num_computed_tokens
         self.waiting.append(req)
-        self.queued_prefill_tokens += req.prefill_left
-        if self._end is None:
+        self.queued_prefill_tokens += left
+        end = self._end
+        if end is None:
             return self._start_step(now)
-        if self._run is not None and self._end > now:
+        run = self._run
+        if run is not None and end > now:
             # A decode run in flight is cut after the step in progress at ``now``: the new
             # request joins the batch from the next step on, as in the engine.
-            c0, c1, m0, m1, k = self._run
-            done = decode_steps_done_by(now - self._start, self._oh, c0, c1, m0, m1, k)
-            m = min(k, done + 1)
-            if m < k:
+            c0, c1, m0, m1, k = run
+            cut = decode_run_cut(now - self._start, self._oh, c0, c1, m0, m1, k)
+            if cut is not None:
+                m, seconds = cut
                 self._run = (c0, c1, m0, m1, m)
-                self._end = self._start + decode_run_time(self._oh, c0, c1, m0, m1, m)
+                self._end = end = self._start + seconds
                 self.version += 1
-                return self._end
+                return end
         return None
 
     def on_event(self, now: float) -> float | None:
@@ -272,6 +275,10 @@ class SimWorker:
             self._run = run
             self._end = now + decode_run_time(self._oh, *run)
             return self._end
+        return self._start_scheduled_step(now)
+
+    def _start_scheduled_step(self, now: float) -> float | None:
+        """Start the step the scheduler picks (no decode run applies); the time it ends, None if empty."""
         batch, shape = self._schedule()
         if not batch and not self._decodes:  # (AggregateWorker's batch lists prefill chunks only)
             self._end = None
@@ -334,8 +341,13 @@ class SimWorker:
             return True  # adapters may block the head and not those behind it: step by step
         req = self.waiting[0]
         hits, hit_tokens = self.kv.get_computed_blocks(req)
-        n = min(req.num_tokens - hit_tokens, max(1, self.max_num_batched_tokens - len(self.running)))
-        return self.kv.can_allocate(req, n, hits)
+        n = min(req.num_prompt + req.num_output - hit_tokens, max(1, self.max_num_batched_tokens - len(self.running)))
+        if not self.kv.can_allocate(req, n, hits):
+            return False
+        # The step scheduled next admits it first with these hits, unless a running request
+        # allocates before (which may evict cached blocks): _allocate_or_preempt forgets them.
+        self._head_hits = (req, hits, hit_tokens)
+        return True
 
     def _run_time(self, c0: float, c1: float, m0: float, m1: float, k: int) -> float:
         return decode_run_time(self._oh, c0, c1, m0, m1, k)
@@ -399,6 +411,7 @@ class SimWorker:
     def _allocate_or_preempt(self, req: SimRequest, n: int) -> tuple[bool, bool]:
         """Blocks for ``n`` more tokens of ``req``, preempting the most recently admitted running
         requests (``req`` itself last) until they fit: (allocated, preempted any)."""
+        self._head_hits = None
         preempted = False
         allocate = self.kv.allocate_slots
         while not allocate(req, n):
@@ -416,6 +429,7 @@ class SimWorker:
         token) and their context tokens, for the caller's decode sums.
         """
         running, kv, lora = self.running, self.kv, self.lora
+        head, self._head_hits = self._head_hits, None  # _can_admit_head's lookup for waiting[0], if still valid
         decodes = decode_ctx = 0
         tier = self.tier
         blocked: list[str] = []
@@ -427,7 +441,10 @@ class SimWorker:
             if lora is not None and req.lora_name is not None and not lora.available(req.lora_name, blocked):
                 i += 1  # it waits for a slot; those behind it may still go
                 continue
-            hits, gpu_tokens = kv.get_computed_blocks(req)
+            if head is not None and head[0] is req:
+                _, hits, gpu_tokens = head
+            else:
+                hits, gpu_tokens = kv.get_computed_blocks(req)
             run = kv.get_tier_run(req, len(hits)) if tier is not None else []
             recomputed = 0
             if run and tier is not None:  # the engine's rule (worker/engine/scheduler.py)

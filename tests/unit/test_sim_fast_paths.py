@@ -10,7 +10,7 @@ import random
 import pytest
 
 from bench.sim.aggregate import AggregateWorker, make_worker
-from bench.sim.decode_run import decode_run_time, decode_steps_done_by, observe_decode_run
+from bench.sim.decode_run import decode_run_cut, decode_run_time, decode_steps_done_by, observe_decode_run
 from bench.sim.lazy_pool import LazyBlockPool
 from bench.sim.prompt_hashes import UnitHasher
 from bench.sim.fleet import FleetConfig, simulate
@@ -227,3 +227,23 @@ def test_steps_done_by_is_the_largest_step_count_whose_run_time_has_elapsed():
         for elapsed in (0.0, rng.uniform(0, times[-1] * 1.2), times[rng.randint(0, k)]):
             expected = max(m for m in range(k + 1) if m == 0 or times[m] <= elapsed)
             assert decode_steps_done_by(elapsed, oh, c0, c1, m0, m1, k) == expected
+
+
+def test_a_run_cut_after_its_step_in_progress_keeps_the_steps_begun_and_their_exact_run_time():
+    # (m, the very float decode_run_time gives for m steps), None when the run would end anyway
+    # (what SimWorker.add does to a run a new request joins); elapsed times on and around step
+    # boundaries, before the run and past its end.
+    rng = random.Random(12)
+    cuts = 0
+    for _ in range(2000):
+        oh, k = 0.001, rng.randint(0, 300)
+        c0, m0 = rng.uniform(0, 0.02), rng.uniform(0, 0.02)
+        c1, m1 = rng.choice([0.0, rng.uniform(0, 1e-4)]), rng.choice([0.0, rng.uniform(0, 1e-4)])
+        times = [decode_run_time(oh, c0, c1, m0, m1, m) for m in range(k + 1)]
+        at = times[rng.randint(0, k)]
+        for elapsed in (-1.0, 0.0, rng.uniform(0, times[-1] * 1.2), at, at * (1 - 1e-12), at * (1 + 1e-12)):
+            done = max(m for m in range(k + 1) if m == 0 or times[m] <= elapsed)
+            expected = (done + 1, times[done + 1]) if done + 1 < k else None
+            assert decode_run_cut(elapsed, oh, c0, c1, m0, m1, k) == expected
+            cuts += expected is not None
+    assert cuts > 1000

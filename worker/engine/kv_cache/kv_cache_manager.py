@@ -129,8 +129,12 @@ class KVCacheManager:
         bs = self.block_size
         num_tokens = req.num_computed_tokens + len(computed) * bs + num_new_tokens
         needed = cdiv(num_tokens, bs) - len(req.blocks) - len(computed)
-        # Hits sitting unreferenced in the free queue stop being allocatable once touched.
-        evictable_hits = sum(1 for b in computed if b.ref_cnt == 0) if computed else 0
+        # Hits sitting unreferenced in the free queue stop being allocatable once touched. (A
+        # loop, not sum() over a generator: this runs for every admission check of the simulator.)
+        evictable_hits = 0
+        for b in computed:
+            if b.ref_cnt == 0:
+                evictable_hits += 1
         if max(needed, 0) + evictable_hits > self.block_pool.get_num_free_blocks():
             return None
         return needed
