@@ -17,8 +17,11 @@
 #include <structmember.h>
 #include <math.h>
 
-/* Python rounds after every operation: no fused multiply-add (setup.py passes -ffp-contract=off too). */
+/* Python rounds after every operation: no fused multiply-add (setup.py passes -ffp-contract=off;
+ * clang also honours the standard pragma, GCC only the flag). */
+#if defined(__clang__)
 #pragma STDC FP_CONTRACT OFF
+#endif
 
 #define LAYOUT_VERSION 3
 
@@ -345,7 +348,28 @@ read_candidate(PyObject *c, Scored *s)
  * candidate is under its hard limit (the caller raises NoCapacity), or NotImplemented.
  */
 static PyObject *
+choose_on(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+
+/* choose() on a copy of the candidates list: the scoring keeps borrowed pointers to the
+ * candidates while a worker id's __eq__ / __lt__ may run Python code, which must not free them. */
+static PyObject *
 hot_choose(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 9 || !PyList_CheckExact(args[0]))
+        return choose_on(self, args, nargs);
+    PyObject *copy[9];
+    for (Py_ssize_t i = 1; i < 9; i++)
+        copy[i] = args[i];
+    copy[0] = PyList_GetSlice(args[0], 0, PY_SSIZE_T_MAX);
+    if (copy[0] == NULL)
+        return NULL;
+    PyObject *result = choose_on(self, copy, nargs);
+    Py_DECREF(copy[0]);
+    return result;
+}
+
+static PyObject *
+choose_on(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 9) {
         PyErr_SetString(PyExc_TypeError, "choose() takes 9 arguments");
@@ -630,7 +654,13 @@ heap_less(PyObject *a, PyObject *b)
             }
         }
     }
-    return PyObject_RichCompareBool(a, b, Py_LT);
+    /* held across the comparison, as heapq does: a __lt__ may change the heap */
+    Py_INCREF(a);
+    Py_INCREF(b);
+    int less = PyObject_RichCompareBool(a, b, Py_LT);
+    Py_DECREF(a);
+    Py_DECREF(b);
+    return less;
 }
 
 /* heapq's sift-down (toward the root) of the entry at ``pos``; 0, or -1 with an exception set */
