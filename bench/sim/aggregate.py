@@ -30,7 +30,7 @@ import heapq
 from worker.engine.kv_cache.kv_tier import KVTier
 from worker.simulator.latency import LatencyModel, StepShape
 
-from bench.sim.decode_run import decode_run_time, observe_decode_run
+from bench.sim.decode_run import observe_decode_run
 from bench.sim.lora import SimLoRA
 from bench.sim.worker import SimRequest, SimWorker, is_decode
 
@@ -41,6 +41,8 @@ class AggregateWorker(SimWorker):
     Requires ``max_num_seqs <= max_num_batched_tokens`` (every decode fits each step's budget);
     :func:`make_worker` falls back to the reference otherwise.
     """
+
+    copies_run_batch = False  # a run's batch is the decoding prefix, which this worker tracks itself
 
     def __init__(self, worker_id: str, latency: LatencyModel, num_blocks: int, unit: int,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
@@ -108,21 +110,7 @@ class AggregateWorker(SimWorker):
         b = self._ndec
         if not self.decode_runs or not b or b != len(self.running) or self.waiting and self._can_admit_head():
             return None
-        # min(_next_finish(), _next_block_need()) written out: once per step or run of a replica.
-        heap = self._finish_at
-        top = heap[0]
-        while top[2].dseq != top[1]:
-            heapq.heappop(heap)
-            top = heap[0]
-        end = top[0]
-        heap = self._block_at
-        top = heap[0]
-        while top[3].dseq != top[1] or len(top[3].blocks) != top[2]:
-            heapq.heappop(heap)
-            top = heap[0]
-        if top[0] < end:
-            end = top[0]
-        k = end - self._tick
+        k = min(self._next_finish(), self._next_block_need()) - self._tick
         if k < 2:
             return None
         ctx = self.running_tokens  # every running request is decoding
@@ -131,18 +119,6 @@ class AggregateWorker(SimWorker):
         if self.lora is not None:
             c0, m0 = self._with_lora(c0, m0, b)
         return (c0, self._c_ctx * b, m0, self._m_ctx * b, k)
-
-    def _start_step(self, now: float) -> float | None:
-        # SimWorker._start_step without its copy of the running list: a decode run's batch is
-        # the decoding prefix, which this worker tracks itself.
-        self.version += 1
-        self._start = now
-        run = self._decode_run()
-        if run is not None:
-            self._run = run
-            self._end = end = now + decode_run_time(self._oh, *run)
-            return end
-        return self._start_scheduled_step(now)
 
     def on_event(self, now: float) -> float | None:
         self.busy_s += now - self._start

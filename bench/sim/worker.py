@@ -125,6 +125,8 @@ class SimWorker:
     :attr:`version` to invalidate older entries.
     """
 
+    copies_run_batch = True  # a decode run's batch is a copy of the running list (not AggregateWorker's)
+
     def __init__(self, worker_id: str, latency: LatencyModel, num_blocks: int, unit: int,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  enable_caching: bool = True, decode_runs: bool = True, tier: KVTier | None = None,
@@ -190,7 +192,7 @@ class SimWorker:
     def add(self, req: SimRequest, now: float) -> float | None:
         """Queue ``req`` at ``now``; returns the time of this worker's next event."""
         req.worker_id = self.worker_id
-        req.prefill_left = left = req.num_prompt + req.num_output - req.num_computed_tokens
+        req.prefill_left = left = req.num_tokens - req.num_computed_tokens
         self.waiting.append(req)
         self.queued_prefill_tokens += left
         end = self._end
@@ -271,14 +273,11 @@ class SimWorker:
         self._start = now
         run = self._decode_run()
         if run is not None:
-            self._batch = list(self.running)
+            if self.copies_run_batch:
+                self._batch = list(self.running)
             self._run = run
             self._end = now + decode_run_time(self._oh, *run)
             return self._end
-        return self._start_scheduled_step(now)
-
-    def _start_scheduled_step(self, now: float) -> float | None:
-        """Start the step the scheduler picks (no decode run applies); the time it ends, None if empty."""
         batch, shape = self._schedule()
         if not batch and not self._decodes:  # (AggregateWorker's batch lists prefill chunks only)
             self._end = None
@@ -341,7 +340,7 @@ class SimWorker:
             return True  # adapters may block the head and not those behind it: step by step
         req = self.waiting[0]
         hits, hit_tokens = self.kv.get_computed_blocks(req)
-        n = min(req.num_prompt + req.num_output - hit_tokens, max(1, self.max_num_batched_tokens - len(self.running)))
+        n = min(req.num_tokens - hit_tokens, max(1, self.max_num_batched_tokens - len(self.running)))
         if not self.kv.can_allocate(req, n, hits):
             return False
         # The step scheduled next admits it first with these hits, unless a running request

@@ -20,8 +20,8 @@ more than 1.111… for the 1-hour TTL (2x, 0.1x).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from router.cost.price_book import HostedPrice, ModelPrice, SelfHostedPrice
