@@ -272,3 +272,29 @@ def test_least_loaded_pops_and_pushes_as_heapq_does(monkeypatch):
         assert boards[0] == boards[1]
     assert C_LOOPS.least_loaded((), {}, 2, frozenset()) is NotImplemented
     assert C_LOOPS.least_loaded([], {}, 2, ["not", "a set"]) is NotImplemented
+
+
+@needs_c
+def test_choose_keeps_the_candidates_alive_while_a_worker_id_runs_python_code():
+    """A worker id's ``__lt__`` (the near-tie break) that empties the candidates list must not free
+    the candidate the C loop is about to return (it scores a copy of the list)."""
+    import gc
+
+    class Id:
+        def __eq__(self, other):
+            return False
+
+        def __lt__(self, other):
+            candidates.clear()
+            gc.collect()
+            reuse.extend(Candidate(worker_id="x" * i, tokens_per_s=float(i), service_s=1.0) for i in range(50))
+            return True
+
+        __hash__ = object.__hash__
+
+    reuse: list = []
+    candidates = [Candidate(worker_id=Id(), tokens_per_s=1000.0, service_s=1.0) for _ in range(3)]
+
+    chosen = C_LOOPS.choose(candidates, 0, 100, 0, 1.0, 1.0, 1000.0, 0.001, 0.05)[0]
+
+    assert type(chosen) is Candidate and type(chosen.worker_id) is Id and chosen.tokens_per_s == 1000.0
