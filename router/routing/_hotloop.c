@@ -60,8 +60,12 @@ read_layout(PyTypeObject *type, const char *const *names, int count, Py_ssize_t 
             return -1;
         }
         PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
-        if (member->type != T_OBJECT_EX || (member->flags & READONLY)) {
-            PyErr_Format(PyExc_TypeError, "%s.%s is not a writable object slot", type->tp_name, names[i]);
+        /* the type's own slot (not a descriptor borrowed from another type's layout), inside its
+         * instances */
+        if (PyDescr_TYPE(descr) != type || member->type != T_OBJECT_EX || (member->flags & READONLY)
+                || member->offset < (Py_ssize_t)sizeof(PyObject)
+                || member->offset > type->tp_basicsize - (Py_ssize_t)sizeof(PyObject *)) {
+            PyErr_Format(PyExc_TypeError, "%s.%s is not a writable object slot of its own", type->tp_name, names[i]);
             return -1;
         }
         offsets[i] = member->offset;
@@ -83,6 +87,15 @@ hot_bind(PyObject *self, PyObject *args)
     long long ring_value = PyLong_AsLongLong(ring);
     if (ring_value == -1 && PyErr_Occurred())
         return NULL;
+    /* Bound once for the process: the loops hold slot offsets while they call Python code (a
+     * worker id's __eq__), which must not be able to swap the layout under them. */
+    if (candidate_type != NULL) {
+        if ((PyTypeObject *)cand == candidate_type && (PyTypeObject *)load == load_type
+                && ring_value == not_on_ring_value)
+            Py_RETURN_NONE;
+        PyErr_SetString(PyExc_RuntimeError, "bind(): already bound to other types");
+        return NULL;
+    }
     memcpy(candidate_off, coff, sizeof coff);
     memcpy(load_off, woff, sizeof woff);
     Py_INCREF(cand);
@@ -181,24 +194,28 @@ build_records(PyObject *ids, PyObject *successors, PyObject *matches, int deep, 
     if (out == NULL)
         return NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *wid = PyList_GET_ITEM(ids, i);
-        PyObject *w = PyDict_GetItemWithError(loads, wid);  /* borrowed */
+        PyObject *wid = PyList_GET_ITEM(ids, i);  /* ``ids`` is the caller's own list, not Python's */
+        PyObject *w = PyDict_GetItemWithError(loads, wid);
         if (w == NULL || !Py_IS_TYPE(w, load_type)) {
             if (PyErr_Occurred())
                 goto error;
             goto fallback;  /* Python raises its KeyError */
         }
+        Py_INCREF(w);  /* held: a matches.get or a worker id's __eq__ below may drop it from ``loads`` */
         PyObject *matched = PyDict_GetItemWithError(matches, wid);  /* borrowed */
         if (matched != NULL) {
             Py_INCREF(matched);
         }
         else if (PyErr_Occurred()) {
+            Py_DECREF(w);
             goto error;
         }
         else if (deep) {
             matched = PyObject_CallMethodObjArgs(matches, str_get, wid, zero_int, NULL);
-            if (matched == NULL)
+            if (matched == NULL) {
+                Py_DECREF(w);
                 goto error;
+            }
         }
         else {
             matched = Py_NewRef(zero_int);
@@ -209,12 +226,14 @@ build_records(PyObject *ids, PyObject *successors, PyObject *matches, int deep, 
         }
         else if (PyErr_Occurred()) {
             Py_DECREF(matched);
+            Py_DECREF(w);
             goto error;
         }
         else {
             long long m, block, value = 0;
             if (!small_int(matched, &m) || !small_int(SLOT(w, load_off[W_BLOCK]), &block) || block == 0) {
                 Py_DECREF(matched);
+                Py_DECREF(w);
                 goto fallback;
             }
             if (m) {
@@ -226,6 +245,7 @@ build_records(PyObject *ids, PyObject *successors, PyObject *matches, int deep, 
                     double q = float_floor_div(tokens, (double)block);
                     if (!isfinite(q) || fabs(q * (double)block) >= (double)EXACT_INT_LIMIT) {
                         Py_DECREF(matched);
+                        Py_DECREF(w);
                         goto fallback;
                     }
                     value = (long long)q * block;
@@ -236,23 +256,32 @@ build_records(PyObject *ids, PyObject *successors, PyObject *matches, int deep, 
             cached = PyLong_FromLongLong(value);
             if (cached == NULL) {
                 Py_DECREF(matched);
+                Py_DECREF(w);
                 goto error;
             }
         }
         double busy_until, slot_wait;
+        /* the record's fields, taken now (owned): the rank's comparisons below may run Python code */
+        PyObject *rate_now = SLOT(w, load_off[W_RATE_NOW]), *in_system = SLOT(w, load_off[W_IN_SYSTEM]);
+        PyObject *over_now = SLOT(w, load_off[W_OVER_LIMIT_NOW]), *service = SLOT(w, load_off[W_SERVICE]);
         if (!exact_float(SLOT(w, load_off[W_BUSY_UNTIL]), &busy_until)
                 || !exact_float(SLOT(w, load_off[W_SLOT_WAIT]), &slot_wait)
-                || SLOT(w, load_off[W_RATE_NOW]) == NULL || SLOT(w, load_off[W_IN_SYSTEM]) == NULL
-                || SLOT(w, load_off[W_OVER_LIMIT_NOW]) == NULL || SLOT(w, load_off[W_SERVICE]) == NULL) {
+                || rate_now == NULL || in_system == NULL || over_now == NULL || service == NULL) {
             Py_DECREF(matched);
             Py_DECREF(cached);
+            Py_DECREF(w);
             goto fallback;
         }
+        Py_INCREF(rate_now);
+        Py_INCREF(in_system);
+        Py_INCREF(over_now);
+        Py_INCREF(service);
+        Py_DECREF(w);
         double backlog = busy_until - now;
         PyObject *pending = PyFloat_FromDouble((backlog > 0.0 ? backlog : 0.0) + slot_wait);
         PyObject *rank = NULL;
-        Py_ssize_t nsucc = PyList_GET_SIZE(successors);
-        for (Py_ssize_t j = 0; j < nsucc && pending != NULL; j++) {
+        /* ``successors`` is the caller's own list too */
+        for (Py_ssize_t j = 0; j < PyList_GET_SIZE(successors) && pending != NULL; j++) {
             int eq = PyObject_RichCompareBool(PyList_GET_ITEM(successors, j), wid, Py_EQ);
             if (eq < 0) {
                 Py_CLEAR(pending);
@@ -270,17 +299,21 @@ build_records(PyObject *ids, PyObject *successors, PyObject *matches, int deep, 
             Py_XDECREF(rank);
             Py_DECREF(matched);
             Py_DECREF(cached);
+            Py_DECREF(rate_now);
+            Py_DECREF(in_system);
+            Py_DECREF(over_now);
+            Py_DECREF(service);
             goto error;
         }
         SLOT(c, candidate_off[C_WORKER_ID]) = Py_NewRef(wid);
-        SLOT(c, candidate_off[C_TOKENS_PER_S]) = Py_NewRef(SLOT(w, load_off[W_RATE_NOW]));
+        SLOT(c, candidate_off[C_TOKENS_PER_S]) = rate_now;
         SLOT(c, candidate_off[C_CACHED]) = cached;
         SLOT(c, candidate_off[C_PENDING]) = pending;
-        SLOT(c, candidate_off[C_IN_SYSTEM]) = Py_NewRef(SLOT(w, load_off[W_IN_SYSTEM]));
-        SLOT(c, candidate_off[C_OVER_LIMIT]) = Py_NewRef(SLOT(w, load_off[W_OVER_LIMIT_NOW]));
+        SLOT(c, candidate_off[C_IN_SYSTEM]) = in_system;
+        SLOT(c, candidate_off[C_OVER_LIMIT]) = over_now;
         SLOT(c, candidate_off[C_RING_RANK]) = rank != NULL ? rank : Py_NewRef(not_on_ring);
         SLOT(c, candidate_off[C_MATCHED]) = matched;
-        SLOT(c, candidate_off[C_SERVICE]) = Py_NewRef(SLOT(w, load_off[W_SERVICE]));
+        SLOT(c, candidate_off[C_SERVICE]) = service;
         SLOT(c, candidate_off[C_TRANSFER]) = Py_NewRef(zero_float);
         SLOT(c, candidate_off[C_ADAPTER]) = Py_NewRef(zero_float);
         PyList_SET_ITEM(out, i, c);
@@ -311,7 +344,15 @@ hot_candidates(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             || !PyDict_Check(matches) || !PyDict_CheckExact(known) || !PyDict_CheckExact(loads)
             || !exact_float(args[6], &chunk_tokens) || !small_int(args[7], &cap) || !exact_float(args[8], &now))
         Py_RETURN_NOTIMPLEMENTED;
-    return build_records(ids, successors, matches, deep, known, loads, chunk_tokens, cap, now);
+    /* copies (a few ids each): Python code the loop calls (a worker id's __eq__, matches.get) may
+     * change the lists it was given */
+    PyObject *own_ids = PyList_GetSlice(ids, 0, PyList_GET_SIZE(ids));
+    PyObject *own_successors = own_ids == NULL ? NULL : PyList_GetSlice(successors, 0, PyList_GET_SIZE(successors));
+    PyObject *out = own_successors == NULL ? NULL
+        : build_records(own_ids, own_successors, matches, deep, known, loads, chunk_tokens, cap, now);
+    Py_XDECREF(own_ids);
+    Py_XDECREF(own_successors);
+    return out;
 }
 
 /* The fields of one candidate that choose() reads; 0 if one is not what it was written for. */
@@ -577,7 +618,7 @@ fallback:
 static PyObject *
 ring_walk(PyObject *points, PyObject *owners, PyObject *key_obj, Py_ssize_t count)
 {
-    if (!PyBytes_CheckExact(points) || !PyList_CheckExact(owners) || !PyLong_Check(key_obj))
+    if (!PyBytes_CheckExact(points) || !PyList_CheckExact(owners) || !(PyLong_CheckExact(key_obj) || PyBool_Check(key_obj)))
         Py_RETURN_NOTIMPLEMENTED;
     Py_ssize_t n = PyList_GET_SIZE(owners);
     if (PyBytes_GET_SIZE(points) != n * (Py_ssize_t)sizeof(unsigned long long) || n == 0)
@@ -606,15 +647,21 @@ ring_walk(PyObject *points, PyObject *owners, PyObject *key_obj, Py_ssize_t coun
     for (Py_ssize_t steps = 1; steps < n && PyList_GET_SIZE(out) < count; steps++) {
         if (++i == n)
             i = 0;
-        PyObject *worker_id = PyList_GET_ITEM(owners, i);
+        /* held while compared: an __eq__ may change ``owners`` (then this walk stops, as a Python
+         * loop over a list would not: RuntimeError) */
+        PyObject *worker_id = Py_NewRef(PyList_GET_ITEM(owners, i));
         int seen = 0;
-        for (Py_ssize_t j = 0; j < PyList_GET_SIZE(out) && !seen; j++) {
+        for (Py_ssize_t j = 0; j < PyList_GET_SIZE(out) && !seen; j++)
             seen = PyObject_RichCompareBool(PyList_GET_ITEM(out, j), worker_id, Py_EQ);
-            if (seen < 0)
-                goto error;
-        }
-        if (!seen && PyList_Append(out, worker_id) < 0)
+        if (seen == 0 && PyList_Append(out, worker_id) < 0)
+            seen = -1;
+        Py_DECREF(worker_id);
+        if (seen < 0)
             goto error;
+        if (PyList_GET_SIZE(owners) != n) {
+            PyErr_SetString(PyExc_RuntimeError, "the ring's owners changed during the walk");
+            goto error;
+        }
     }
     return out;
 error:
@@ -629,6 +676,8 @@ hot_ring_successors(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "ring_successors() takes 4 arguments");
         return NULL;
     }
+    if (!PyLong_CheckExact(args[3]))
+        Py_RETURN_NOTIMPLEMENTED;
     Py_ssize_t count = PyLong_AsSsize_t(args[3]);
     if (count == -1 && PyErr_Occurred())
         return NULL;
@@ -735,15 +784,6 @@ heap_pop(PyObject *heap)
     return top;
 }
 
-/* heapq.heappush; 0, or -1 with an exception set */
-static int
-heap_push(PyObject *heap, PyObject *item)
-{
-    if (PyList_Append(heap, item) < 0)
-        return -1;
-    return heap_sift_down(heap, 0, PyList_GET_SIZE(heap) - 1);
-}
-
 /* A worker record's field, a new reference (NULL with an exception set): read from its slot if it
  * is a WorkerLoad, else looked up as Python would. */
 static PyObject *
@@ -768,8 +808,11 @@ load_field(PyObject *w, int field)
 static PyObject *
 least_loaded(PyObject *heap, PyObject *workers, Py_ssize_t k, PyObject *skip)
 {
-    if (load_type == NULL || !PyList_CheckExact(heap) || !PyDict_CheckExact(workers) || !PyAnySet_Check(skip))
+    /* exact types: a subclass's own __contains__ or get would be Python's to call */
+    if (load_type == NULL || !PyList_CheckExact(heap) || !PyDict_CheckExact(workers)
+            || !(PySet_CheckExact(skip) || PyFrozenSet_CheckExact(skip)))
         Py_RETURN_NOTIMPLEMENTED;
+    Py_ssize_t pushed = 0;  /* of ``popped``, how many are back on the heap */
     PyObject *out = PyList_New(0), *popped = PyList_New(0);
     if (out == NULL || popped == NULL)
         goto error;
@@ -789,7 +832,7 @@ least_loaded(PyObject *heap, PyObject *workers, Py_ssize_t k, PyObject *skip)
         if (w == NULL && PyErr_Occurred()) {
             keep = -1;
         }
-        else if (w != NULL) {
+        else if (w != NULL && w != Py_None) {  /* None: stale, as Python's ``workers.get`` reads it */
             Py_INCREF(w);
             PyObject *current = load_field(w, W_HEAP_VERSION);
             int stale = current == NULL ? -1 : PyObject_RichCompareBool(current, version, Py_NE);
@@ -822,19 +865,23 @@ least_loaded(PyObject *heap, PyObject *workers, Py_ssize_t k, PyObject *skip)
         if (keep < 0 || pick < 0)
             goto error;
     }
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(popped); i++) {
-        if (heap_push(heap, PyList_GET_ITEM(popped, i)) < 0)
+    while (pushed < PyList_GET_SIZE(popped)) {  /* heapq.heappush: append, then sift */
+        if (PyList_Append(heap, PyList_GET_ITEM(popped, pushed)) < 0)
+            goto error;
+        pushed++;
+        if (heap_sift_down(heap, 0, PyList_GET_SIZE(heap) - 1) < 0)
             goto error;
     }
     Py_DECREF(popped);
     return out;
 error:
-    /* what was popped and kept goes back, so the heap loses no live entry */
+    /* what was popped and kept goes back, each entry once, so the heap loses no live entry */
     if (popped != NULL) {
         PyObject *exc_type, *exc_value, *exc_tb;
         PyErr_Fetch(&exc_type, &exc_value, &exc_tb);
-        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(popped); i++) {
-            if (heap_push(heap, PyList_GET_ITEM(popped, i)) < 0)
+        while (pushed < PyList_GET_SIZE(popped)) {
+            if (PyList_Append(heap, PyList_GET_ITEM(popped, pushed++)) < 0
+                    || heap_sift_down(heap, 0, PyList_GET_SIZE(heap) - 1) < 0)
                 PyErr_Clear();
         }
         PyErr_Restore(exc_type, exc_value, exc_tb);
@@ -851,6 +898,8 @@ hot_least_loaded(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "least_loaded() takes 4 arguments");
         return NULL;
     }
+    if (!PyLong_CheckExact(args[2]))
+        Py_RETURN_NOTIMPLEMENTED;  /* Python's loop compares len(out) < k for any k */
     Py_ssize_t k = PyLong_AsSsize_t(args[2]);
     if (k == -1 && PyErr_Occurred())
         return NULL;
@@ -886,6 +935,9 @@ hot_candidate_set(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *matches = args[0], *routable = args[2], *heap = args[7], *workers = args[8];
+    if (!PyLong_CheckExact(args[6]) || !PyLong_CheckExact(args[9])
+            || !(PySet_CheckExact(routable) || PyFrozenSet_CheckExact(routable)))
+        Py_RETURN_NOTIMPLEMENTED;
     int deep = PyObject_IsTrue(args[1]);
     Py_ssize_t ring_count = PyLong_AsSsize_t(args[6]), load_count;
     double chunk_tokens, now;
@@ -895,7 +947,7 @@ hot_candidate_set(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     load_count = PyLong_AsSsize_t(args[9]);
     if (load_count == -1 && PyErr_Occurred())
         return NULL;
-    if (candidate_type == NULL || !PyDict_Check(matches) || !PyAnySet_Check(routable)
+    if (candidate_type == NULL || !PyDict_Check(matches)
             || !exact_float(args[10], &chunk_tokens) || !small_int(args[11], &cap) || !exact_float(args[12], &now))
         Py_RETURN_NOTIMPLEMENTED;
     PyObject *successors = NULL, *least = NULL, *ids = NULL, *known = NULL, *result = NULL;
@@ -914,8 +966,12 @@ hot_candidate_set(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         Py_ssize_t pos = 0;
         PyObject *worker_id, *value;
         while (PyDict_Next(matches, &pos, &worker_id, &value)) {  /* matches.keys(), in order */
+            Py_INCREF(worker_id);  /* held: its __hash__/__eq__ may change ``matches`` */
             int listed = PySet_Contains(routable, worker_id);
-            if (listed < 0 || (listed && append_new(ids, worker_id) < 0))
+            if (listed > 0)
+                listed = append_new(ids, worker_id);
+            Py_DECREF(worker_id);
+            if (listed < 0)
                 goto done;
         }
     }

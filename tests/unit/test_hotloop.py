@@ -298,3 +298,160 @@ def test_choose_keeps_the_candidates_alive_while_a_worker_id_runs_python_code():
     chosen = C_LOOPS.choose(candidates, 0, 100, 0, 1.0, 1.0, 1000.0, 0.001, 0.05)[0]
 
     assert type(chosen) is Candidate and type(chosen.worker_id) is Id and chosen.tokens_per_s == 1000.0
+
+
+# -- Python code called from inside the loops (a worker id's __eq__, a lookup's get) ---------------
+# The router passes internal lists of str, so none of this is reachable from a request; these pin
+# that the module stays memory-safe for whoever calls it with anything (each crashed or read freed
+# memory before the C loops held what they borrow).
+
+@needs_c
+def test_candidates_hold_the_record_and_their_lists_while_python_code_runs():
+    """The depth lookup's ``get`` drops the worker's record and empties the caller's lists; a
+    successor's ``__eq__`` does it again: the record built is the record as it was read."""
+    import copy
+    import gc
+
+    board = LoadBoard(SpeedProfile())
+    board.add_worker("w0", block_size=16)
+    record = copy.copy(board.loads()["w0"])
+    expected = (record.rate_now, record.in_system, record.over_limit_now, record.service_s)
+
+    class Worker:
+        __hash__ = object.__hash__
+
+    class Lookup(dict):
+        def get(self, key, default=None):
+            havoc()
+            return 2
+
+    class Successor:
+        def __eq__(self, other):
+            havoc()
+            return False
+
+        __hash__ = object.__hash__
+
+    junk: list = []
+
+    def havoc():
+        loads.clear()
+        ids.clear()
+        successors.clear()
+        gc.collect()
+        for i in range(200):  # reuse what was freed
+            twin = copy.copy(board.loads()["w0"])
+            twin.rate_now, twin.service_s = float(i) + 0.5, 9.0
+            junk.append(twin)
+
+    wid = Worker()
+    loads = {wid: record}
+    del record
+    ids = [wid]
+    successors = [Successor(), Successor(), wid]
+
+    built = C_LOOPS.candidates(ids, successors, Lookup(), True, {}, loads, 128.0, 10**6, 0.0)
+
+    (c,) = built
+    assert c.worker_id is wid and c.matched_chunks == 2 and c.ring_rank == 2
+    assert (c.tokens_per_s, c.in_system, c.over_limit, c.service_s) == expected
+
+
+@needs_c
+def test_a_ring_whose_owners_change_during_the_walk_stops_with_an_error():
+    import gc
+
+    class Owner:
+        def __eq__(self, other):
+            owners.clear()
+            gc.collect()
+            return False
+
+        __hash__ = object.__hash__
+
+    owners = ["a", Owner(), "b", Owner(), "c"]
+    points = b"".join(i.to_bytes(8, "little" if __import__("sys").byteorder == "little" else "big")
+                      for i in range(10, 60, 10))
+    with pytest.raises(RuntimeError):
+        C_LOOPS.ring_successors(points, owners, 0, 5)
+    assert C_LOOPS.ring_successors(points, ["a", "b"] * 2 + ["c"], 0, 1.0) is NotImplemented  # Python's count
+
+
+@needs_c
+def test_bind_takes_only_its_own_types_slots_and_binds_once():
+    import dataclasses
+
+    from router.routing.load import WorkerLoad
+    from router.routing.policy import NOT_ON_RING
+
+    borrowed = type("Borrowed", (), {name: Candidate.__dict__[name] for name in Candidate.__slots__})
+    with pytest.raises(TypeError, match="of its own"):
+        C_LOOPS.bind(borrowed, WorkerLoad, NOT_ON_RING)
+    assert C_LOOPS.bind(Candidate, WorkerLoad, NOT_ON_RING) is None  # the same types again: fine
+    twin = dataclasses.make_dataclass("Twin", [(f.name, f.type, f) for f in dataclasses.fields(Candidate)],
+                                      slots=True)
+    with pytest.raises(RuntimeError, match="already bound"):
+        C_LOOPS.bind(twin, WorkerLoad, NOT_ON_RING)
+    with pytest.raises(RuntimeError, match="already bound"):
+        C_LOOPS.bind(Candidate, WorkerLoad, NOT_ON_RING + 1)
+
+
+@needs_c
+def test_least_loaded_reads_odd_inputs_as_python_does():
+    heap = [(0.0, 0, "gone")]
+    assert C_LOOPS.least_loaded(heap, {"gone": None}, 1, frozenset()) == [] and heap == []  # None: stale
+
+    class Everything(frozenset):
+        def __contains__(self, item):
+            return True
+
+    assert C_LOOPS.least_loaded([(0.0, 0, "w")], {}, 1, Everything()) is NotImplemented
+    assert C_LOOPS.least_loaded([(0.0, 0, "w")], {}, 1.0, frozenset()) is NotImplemented
+
+
+@needs_c
+def test_least_loaded_puts_each_entry_back_once_when_a_comparison_fails():
+    """An entry's ``__lt__`` raises at the n-th comparison, for every n: whatever the phase, no entry
+    is on the heap twice and at most the one being popped is lost (as with heapq)."""
+    board = LoadBoard(SpeedProfile(max_num_seqs=64))
+    for i in range(12):
+        board.add_worker(f"w{i}")
+        board.dispatch(f"w{i}", 100 * ((i * 7) % 12) + 1, 0.0)
+    calls = [0, 0]  # comparisons so far, the one that raises
+
+    class Key:
+        def __init__(self, value):
+            self.value = value
+
+        def __eq__(self, other):
+            return self.value == other.value
+
+        def __lt__(self, other):
+            calls[0] += 1
+            if calls[0] == calls[1]:
+                raise ValueError("comparison failed")
+            return self.value < other.value
+
+        __hash__ = None
+
+    original = [(Key(busy), version, wid) for busy, version, wid in board._heap]
+    workers = dict(board.loads())
+    live = {id(entry) for entry in original if workers[entry[2]].heap_version == entry[1]}
+    assert len(live) == 12 < len(original)
+    calls[:] = [0, -1]
+    C_LOOPS.least_loaded(list(original), workers, len(original), frozenset())
+    total = calls[0]
+    assert total > 20
+    failures = 0
+    for n in range(1, total + 1):
+        heap = list(original)
+        calls[:] = [0, n]
+        try:
+            C_LOOPS.least_loaded(heap, workers, len(original), frozenset())
+        except ValueError:
+            failures += 1
+        kept = [id(entry) for entry in heap]
+        assert len(kept) == len(set(kept)), n
+        assert set(kept) <= {id(entry) for entry in original}, n
+        assert len(live - set(kept)) <= 1, n  # stale entries may go for good, as in Python's loop
+    assert failures == total
