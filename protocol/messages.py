@@ -15,6 +15,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from protocol import untrusted_json
 from protocol.hashing import DEFAULT_CHUNK_SIZE
 
 T = TypeVar("T")
@@ -131,7 +132,7 @@ class _Message:
     def from_json(cls: type[T], text: str | bytes) -> T:
         """Decode from JSON text."""
         try:
-            return _from_dict(cls, json.loads(text))
+            return _from_dict(cls, untrusted_json.loads(text))
         except json.JSONDecodeError as exc:
             raise MessageError(str(exc)) from exc
 

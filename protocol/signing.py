@@ -37,6 +37,8 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+from protocol import untrusted_json
+
 SIG_FIELD = "sig"
 _LABEL = b"prefixlb-worker-key:"
 
@@ -68,7 +70,7 @@ def sign(data: dict[str, Any], key: str) -> str:
 def verify(raw: str | bytes, secret: str) -> dict[str, Any]:
     """The message object of signed JSON ``raw``, its signature checked against the key of the
     ``worker_id`` it names; raises :class:`SignatureError` (or ``ValueError`` for bad JSON)."""
-    data = json.loads(raw)
+    data = untrusted_json.loads(raw)
     if not isinstance(data, dict):
         raise SignatureError("a signed message is a JSON object")
     sig = data.pop(SIG_FIELD, None)

@@ -20,6 +20,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from protocol import untrusted_json
 from protocol.messages import is_short_text
 
 VERSION = 1
@@ -70,7 +71,7 @@ def decode(data: bytes) -> Snapshot:
     if newline < 0:
         raise SnapshotError("no header")
     try:
-        header = json.loads(data[:newline])
+        header = untrusted_json.loads(data[:newline])
         if header.get("v") != VERSION:
             raise SnapshotError(f"unsupported snapshot version {header.get('v')!r}")
         workers = [str(w) for w in header["workers"]]

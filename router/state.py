@@ -40,7 +40,7 @@ from typing import Any, Callable
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
-from protocol import KVEvent, LoadReport, MessageError, RedisKeys, WorkerInfo
+from protocol import KVEvent, LoadReport, MessageError, RedisKeys, WorkerInfo, untrusted_json
 from protocol.redis_url import redis_client
 from protocol.signing import ReplayGuard, verify
 from router.routing.balancer import Balancer
@@ -532,7 +532,7 @@ def _drain_applies(value: str, worker_id: str | None) -> bool:
     """Whether a shared drain entry (JSON naming the drained worker's id; older routers wrote a
     bare timestamp, which names none) applies to the worker now at that URL."""
     try:
-        drained = json.loads(value).get("worker_id")
+        drained = untrusted_json.loads(value).get("worker_id")
     except (ValueError, AttributeError):
         return True  # an entry of an older router: by URL, as it meant
     # a drain that names a worker waits until the worker at that URL has said who it is

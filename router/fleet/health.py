@@ -29,7 +29,7 @@ import time
 
 import aiohttp
 
-from protocol import LoadReport, MessageError
+from protocol import LoadReport, MessageError, untrusted_json
 from router.fleet.background import cancel_and_wait
 from router.fleet.backends import ENGINE_KINDS, OPENAI, PREFIXLB
 from router.fleet.engine_metrics import (EngineMetricsError, EngineScrape, detect_kind, load_report,
@@ -121,7 +121,7 @@ class HealthChecker:
         async with self._session.get(w.url + "/load", headers=self.headers) as resp:
             if resp.status == 200:
                 with contextlib.suppress(MessageError, ValueError, aiohttp.ClientError):
-                    LoadReport.from_dict(json.loads(await resp.content.read(MAX_LOAD_BYTES)))
+                    LoadReport.from_dict(untrusted_json.loads(await resp.content.read(MAX_LOAD_BYTES)))
                     return PREFIXLB
         text = None
         with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, UnicodeDecodeError, OSError):
@@ -148,7 +148,7 @@ class HealthChecker:
             if resp.status != 200:
                 raise ProbeError(f"/load answered {resp.status}")
             try:
-                return LoadReport.from_dict(json.loads(await resp.content.read(MAX_LOAD_BYTES)))
+                return LoadReport.from_dict(untrusted_json.loads(await resp.content.read(MAX_LOAD_BYTES)))
             except (MessageError, json.JSONDecodeError, ValueError) as exc:
                 raise ProbeError(f"/load: {exc}") from exc
 
@@ -198,7 +198,7 @@ class HealthChecker:
         with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError, AttributeError):
             async with self._session.get(w.url + "/v1/models", headers=self.headers) as resp:
                 if resp.status == 200:
-                    data = json.loads(await resp.content.read(MAX_LOAD_BYTES)).get("data", [])
+                    data = untrusted_json.loads(await resp.content.read(MAX_LOAD_BYTES)).get("data", [])
                     entries = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
                     for m in entries:
                         limit = m.get("max_model_len")

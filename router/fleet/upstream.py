@@ -108,7 +108,7 @@ class UpstreamResponse:
 
     __slots__ = ("status", "headers", "_conn", "_pool", "_key", "_loop", "_read_timeout", "_buf", "_state",
                  "_remaining", "_chunks", "_buffered", "_paused", "_keep_alive", "_exc", "_waiter", "_head_done",
-                 "_finished")
+                 "_finished", "_received", "_draining", "_drain_timer")
 
     def __init__(self, conn: _Connection, pool: "UpstreamPool", key: tuple, read_timeout: float | None) -> None:
         self.status = 0
@@ -129,6 +129,9 @@ class UpstreamResponse:
         self._waiter: asyncio.Future | None = None
         self._head_done = False
         self._finished = False  # released or closed
+        self._received = False  # any byte of the answer
+        self._draining = False  # released before its end (release_after_end): the rest is dropped
+        self._drain_timer: asyncio.TimerHandle | None = None
 
     @property
     def content(self) -> "UpstreamResponse":
@@ -137,6 +140,7 @@ class UpstreamResponse:
 
     # -- parsing (called by the connection) -------------------------------------------------
     def _feed(self, data: bytes) -> None:
+        self._received = True
         state = self._state
         if state == _DONE:
             self._keep_alive = False  # more than one answer: never reuse this connection
@@ -290,6 +294,7 @@ class UpstreamResponse:
         elif self._state != _DONE and self._exc is None:
             if not self._head_done:
                 error: BaseException = aiohttp.ServerDisconnectedError()
+                error.nothing_received = not self._received  # type: ignore[attr-defined]  # (UpstreamPool.post)
             else:
                 error = aiohttp.ClientPayloadError("Response payload is not completed")
             if exc is not None:
@@ -304,6 +309,9 @@ class UpstreamResponse:
         self._keep_alive = False
 
     def _wake(self) -> None:
+        if self._draining:
+            self._drain()
+            return
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -378,6 +386,33 @@ class UpstreamResponse:
         else:
             conn.close()
 
+    def release_after_end(self, grace_s: float = 1.0) -> None:
+        """Done with an answer before its end arrived (a stream that said ``data: [DONE]``): what
+        else comes is dropped, and the connection goes back to the pool when the end follows
+        within ``grace_s`` (a worker sends it at once), or is dropped then."""
+        if self._finished or self._draining:
+            return
+        self._draining = True
+        self._drain_timer = self._loop.call_later(grace_s, self._drain_expired)
+        self._drain()
+
+    def _drain(self) -> None:
+        self._chunks.clear()
+        self._buffered = 0
+        if self._paused and self._conn.transport is not None:
+            self._paused = False
+            self._conn.transport.resume_reading()
+        if self._state == _DONE or self._exc is not None or self._conn.lost:
+            self._draining = False
+            if self._drain_timer is not None:
+                self._drain_timer.cancel()
+            self.release()
+
+    def _drain_expired(self) -> None:
+        if self._draining:
+            self._draining = False
+            self.close()
+
     def close(self) -> None:
         """Drop the connection now (the worker sees the request aborted)."""
         if self._finished:
@@ -446,19 +481,31 @@ class UpstreamPool:
         if self.closed:
             raise RuntimeError("the upstream pool is closed")
         key, prefix, host = self._target(base_url)
-        conn = await self._get(key)
+        head = b"".join((b"POST ", (prefix + path).encode("ascii"), b" HTTP/1.1\r\n", host,
+                         header_lines(headers).encode("utf-8"),  # as aiohttp encodes them
+                         b"Content-Length: %d\r\n\r\n" % len(body)))
+        conn = self._idle_connection(key)
+        if conn is not None:
+            try:
+                return await self._exchange(conn, key, head, body)
+            except aiohttp.ServerDisconnectedError as exc:
+                # Closed by the worker as it was reused, before a byte of an answer: the worker
+                # ended an idle keep-alive connection (uvicorn's last 5 s) while this request was
+                # on its way, and never read it. Sent again, once, on a new connection.
+                if not getattr(exc, "nothing_received", False):
+                    raise
+        return await self._exchange(await self._connect(key), key, head, body)
+
+    async def _exchange(self, conn: _Connection, key: tuple, head: bytes, body: bytes) -> UpstreamResponse:
         response = UpstreamResponse(conn, self, key, self.read_timeout)
         conn.response = response
         try:
-            head = [b"POST ", (prefix + path).encode("ascii"), b" HTTP/1.1\r\n", host,
-                    header_lines(headers).encode("utf-8"),  # as aiohttp encodes them
-                    b"Content-Length: %d\r\n\r\n" % len(body)]
             transport = conn.transport
             assert transport is not None
             if len(body) <= 64 * 1024:
-                transport.write(b"".join(head) + body)
+                transport.write(head + body)
             else:  # no copy of a large body
-                transport.write(b"".join(head))
+                transport.write(head)
                 transport.write(body)
             await response._start()
         except BaseException:
@@ -466,7 +513,8 @@ class UpstreamPool:
             raise
         return response
 
-    async def _get(self, key: tuple) -> _Connection:
+    def _idle_connection(self, key: tuple) -> _Connection | None:
+        """A pooled connection to ``key`` that is neither closed nor idle too long, or None."""
         idle = self._idle.get(key)
         if idle:
             stale = time.monotonic() - self.keepalive_s
@@ -475,6 +523,9 @@ class UpstreamPool:
                 if not conn.lost and conn.idle_since > stale:
                     return conn
                 conn.close()
+        return None
+
+    async def _connect(self, key: tuple) -> _Connection:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout):

@@ -45,11 +45,13 @@ from typing import Any, Mapping
 import aiohttp
 from aiohttp import web
 
+from protocol import untrusted_json
 from protocol.openai_api import SERVER_ERROR, SERVICE_UNAVAILABLE, OpenAIError, error_body
 from router.http.admission import RETRY_AFTER_S, Admission, Overloaded
 from router.routing.balancer import Balancer
 from router.fleet.connections import WorkerConnections
 from router.fleet.health import refused
+from router.fleet.upstream import UpstreamResponse
 from router.metrics import RouterMetrics
 from router.routing.policy import Decision, NoCapacity
 from router.routing.prompt import PromptKey
@@ -325,8 +327,9 @@ class Proxy:
         """POST to the worker; then its first bytes (streaming 200) or its whole body (otherwise)."""
         try:
             upstream = await self.connections.post(url, preq.path, preq.body, preq.headers)
-        except asyncio.TimeoutError as exc:
-            raise _Failed("timeout", "timed out connecting") from exc
+        except asyncio.TimeoutError as exc:  # a connect timeout, or silence before the answer's head
+            raise _Failed("timeout", "no answer in time" if isinstance(exc, aiohttp.ServerTimeoutError)
+                          else "timed out connecting") from exc
         except (aiohttp.ClientError, OSError) as exc:
             raise _Failed("refused" if refused(exc) else "connect", f"{type(exc).__name__}: {exc}") from exc
         try:
@@ -395,7 +398,7 @@ class Proxy:
                 out, failure = b"", _Failed("oversized", str(exc))
             if out:
                 await response.write(out)
-            if failure is None:
+            if failure is None and not tap.done:
                 failure = await self._pass_through(response, upstream, tap, worker_id)
             if failure is None:
                 tail = tap.flush()
@@ -422,10 +425,12 @@ class Proxy:
             self.metrics.client_disconnects.inc()
             raise
         finally:
-            if completed:
-                upstream.release()
-            else:
+            if not completed:
                 upstream.close()  # drop the connection: the worker aborts the request
+            elif isinstance(upstream, UpstreamResponse):
+                upstream.release_after_end()  # the HTTP body's end may follow [DONE]
+            else:
+                upstream.release()
             booking.usage = tap.usage
 
     async def _pass_through(self, response: web.StreamResponse, upstream: aiohttp.ClientResponse,
@@ -453,6 +458,8 @@ class Proxy:
                         return _Failed("oversized", str(exc))
                     if out:
                         await response.write(out)
+                    if tap.done:  # the stream is over at [DONE], whether or not the body is
+                        return None
         except TimeoutError:
             if not guard.expired():
                 raise
@@ -483,7 +490,7 @@ async def _read_capped(content: aiohttp.StreamReader) -> bytes:
 def _status_failure(status: int, body: bytes) -> _Failed:
     code = None
     try:
-        error = json.loads(body).get("error")
+        error = untrusted_json.loads(body).get("error")
         code = error.get("code") if isinstance(error, dict) else None
     except (ValueError, AttributeError):
         pass
@@ -494,7 +501,7 @@ def _status_failure(status: int, body: bytes) -> _Failed:
 
 def _json_usage(data: bytes) -> dict[str, Any] | None:
     try:
-        obj = json.loads(data)
+        obj = untrusted_json.loads(data)
     except ValueError:
         return None
     usage = obj.get("usage") if isinstance(obj, dict) else None

@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from protocol import untrusted_json
+
 _SEPARATORS = (b"\n\n", b"\r\n\r\n")
 
 
@@ -49,7 +51,7 @@ def _data_json(event: bytes) -> Any:
             if payload == b"[DONE]":
                 return None
             try:
-                return json.loads(payload)
+                return untrusted_json.loads(payload)
             except ValueError:
                 return None
     return None
@@ -82,10 +84,12 @@ class UsageTap:
         events, self._tail = _split_events(buffer, max(0, held - 3))
         if len(self._tail) > MAX_EVENT_BYTES:
             raise EventTooLarge(f"an SSE event of more than {MAX_EVENT_BYTES} bytes")
-        if not events:
+        if not events or self.done:
             return b""
         out = []
         for event in events:
+            if self.done:  # the stream ended at [DONE]: what a worker sends after it is dropped
+                break
             self.events += 1
             if b"[DONE]" in event and _is_done(event):
                 self.done = True
@@ -110,9 +114,10 @@ class UsageTap:
         return b"".join(out)
 
     def flush(self) -> bytes:
-        """Whatever incomplete tail is left when the upstream ends (forwarded as is)."""
+        """Whatever incomplete tail is left when the upstream ends (forwarded as is, unless after
+        ``data: [DONE]``)."""
         tail, self._tail = self._tail, b""
-        return tail
+        return b"" if self.done else tail
 
 
 def usage_numbers(usage: dict[str, Any] | None) -> tuple[int, int | None] | None:

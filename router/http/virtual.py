@@ -19,12 +19,12 @@ model makes is routed, logged and priced like a plain request.
 """
 from __future__ import annotations
 
-import json
 from typing import Any, Awaitable, Callable, Mapping
 
 import aiohttp
 from aiohttp import web
 
+from protocol import untrusted_json
 from protocol.openai_api import SERVER_ERROR, SERVICE_UNAVAILABLE, OpenAIError, bad_request
 from router.context import RouterContext
 from router.cost.pricing import usage_from_openai
@@ -108,7 +108,7 @@ async def _serve_route(request: web.Request, ctx: RouterContext, vm: RouteModel,
 def _answer_cost(ctx: RouterContext, model: str, raw: Any) -> float | None:
     """The price of a JSON answer's ``usage`` (None: no usage, or a model the book does not list)."""
     try:
-        usage = json.loads(raw).get("usage") if isinstance(raw, (bytes, bytearray)) else None
+        usage = untrusted_json.loads(raw).get("usage") if isinstance(raw, (bytes, bytearray)) else None
     except (ValueError, AttributeError):
         return None
     if not isinstance(usage, Mapping):
@@ -143,7 +143,7 @@ def stage_sender(ctx: RouterContext, forward: Forward) -> Callable[[str, dict], 
             raise StageError(exc.message, exc.status, exc.status >= 500, exc.body()) from None
         raw = response.body if isinstance(response, web.Response) else None
         try:
-            data = json.loads(raw) if isinstance(raw, (bytes, bytearray)) else None
+            data = untrusted_json.loads(raw) if isinstance(raw, (bytes, bytearray)) else None
         except ValueError:
             data = None
         if response.status != 200 or not isinstance(data, dict):

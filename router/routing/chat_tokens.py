@@ -32,6 +32,7 @@ from typing import Any
 
 import jinja2.nodes
 
+from protocol import untrusted_json
 from protocol.hf_chat_template import render_chat_template, template_environment
 from router.routing.precise import PromptTokens
 
@@ -98,7 +99,7 @@ def _tool_calls(calls: Any) -> list[dict[str, Any]] | None:
         args = call["function"].get("arguments")
         if isinstance(args, str) and args:
             try:
-                args = json.loads(args)
+                args = untrusted_json.loads(args)
             except json.JSONDecodeError:
                 args = {}
         call["function"]["arguments"] = args if isinstance(args, dict) else {}

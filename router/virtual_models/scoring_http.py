@@ -9,10 +9,11 @@ from another service: its size is bounded and its shape is checked by the caller
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any, Mapping
 
 import aiohttp
+
+from protocol import untrusted_json
 
 MAX_REPLY_BYTES = 64 * 1024
 
@@ -66,7 +67,7 @@ class ScoringEndpoint:
         if len(raw) > self.max_reply_bytes:
             raise ScoringError("invalid_reply", f"reply larger than {self.max_reply_bytes} bytes")
         try:
-            body = json.loads(raw)
+            body = untrusted_json.loads(raw)
         except ValueError:
             raise ScoringError("invalid_reply", "reply is not JSON") from None
         if not isinstance(body, dict):

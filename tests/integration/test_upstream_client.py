@@ -11,6 +11,7 @@ import pytest
 
 from router.fleet.health import refused
 from router.fleet.upstream import HIGH_WATER, UpstreamPool, UpstreamProtocolError
+from tests.integration.router_harness import wait_until
 from tests.support import free_port
 
 CHUNKED = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -102,6 +103,57 @@ async def test_a_connection_is_reused_after_a_complete_answer_and_not_after_conn
     assert first.startswith(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:")
     assert b"\r\nContent-Type: application/json\r\n" in first and b"\r\nContent-Length: 7\r\n" in first
     assert first.endswith(b'\r\n\r\n{"x":1}')
+
+
+class ClosesWhenReused:
+    """Answers the first request on each connection, then closes it when the next one comes,
+    without a byte: a worker ending an idle keep-alive connection as the router reuses it."""
+
+    def __init__(self, partial: bytes = b"") -> None:
+        self.partial = partial  # sent before closing, instead of nothing
+        self.connections = 0
+        self.server: asyncio.AbstractServer | None = None
+
+    async def __aenter__(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            for answer in (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}", self.partial):
+                head = await reader.readuntil(b"\r\n\r\n")
+                await reader.readexactly(int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0]))
+                writer.write(answer)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+async def test_a_reused_connection_closed_before_a_byte_of_answer_is_tried_again_on_a_new_one():
+    server = ClosesWhenReused()
+    async with server as url:
+        pool = UpstreamPool(1.0, 5.0)
+        for _ in range(3):  # each second request meets the close, and goes out again
+            assert await _body(pool, url) == (200, {"Content-Length": "2"}, b"{}")
+        assert server.connections == 3
+
+
+async def test_a_new_connection_or_a_partial_answer_closed_is_not_tried_again():
+    async with ClosesWhenReused(partial=b"HTTP/1.1 200") as url:
+        pool = UpstreamPool(1.0, 5.0)
+        await _body(pool, url)
+        with pytest.raises(aiohttp.ServerDisconnectedError):  # some of an answer: the worker read it
+            await _body(pool, url)
+    async with Scripted([b""], after="close") as url:  # a new connection: nothing to blame on reuse
+        with pytest.raises(aiohttp.ServerDisconnectedError):
+            await UpstreamPool(1.0, 5.0).post(url, "/v1/completions", b"{}", {})
 
 
 async def test_an_answer_without_framing_is_read_to_the_end_of_the_connection():
@@ -237,3 +289,52 @@ async def test_a_host_whose_every_address_refuses_is_refused(monkeypatch):
     with pytest.raises(OSError) as other:
         await UpstreamPool(1.0, 1.0).post("http://localhost:9", "/v1/completions", b"{}", {})
     assert not refused(other.value)
+
+
+class EndsLate:
+    """Answers each request with a chunked stream whose last event is ``data: [DONE]``, and sends
+    the body's end (``0\\r\\n\\r\\n``) ``end_after_s`` later, or never (None)."""
+
+    def __init__(self, end_after_s: float | None) -> None:
+        self.end_after_s = end_after_s
+        self.connections = 0
+        self.server: asyncio.AbstractServer | None = None
+
+    async def __aenter__(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                await reader.readexactly(int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0]))
+                writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\ne\r\ndata: [DONE]\n\n\r\n")
+                await writer.drain()
+                if self.end_after_s is None:
+                    await reader.read()  # until the router drops the connection
+                    return
+                await asyncio.sleep(self.end_after_s)
+                writer.write(b"0\r\n\r\n")
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+@pytest.mark.parametrize("end_after_s, connections", [(0.05, 1), (None, 2)])
+async def test_a_stream_released_at_its_done_event_is_pooled_when_its_end_follows(end_after_s, connections):
+    server = EndsLate(end_after_s)
+    async with server as url:
+        pool = UpstreamPool(1.0, 5.0)
+        for _ in range(2):
+            response = await pool.post(url, "/v1/completions", b"{}", {})
+            assert await response.content.readany() == b"data: [DONE]\n\n"
+            response.release_after_end(grace_s=0.3)
+            await wait_until(lambda: response._finished, what="the answer's end, or the grace over")
+        assert server.connections == connections

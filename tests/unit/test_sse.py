@@ -17,6 +17,16 @@ def test_a_separator_split_across_chunks_is_still_found():
     assert tap.feed(b"\n") == b'data: {"a": 1}\r\n\r\n'
 
 
+def test_the_stream_ends_at_its_done_event_and_nothing_after_it_is_forwarded():
+    """OpenAI's streams end at ``data: [DONE]``: events, a usage chunk or an unfinished tail a worker
+    sends after it do not reach the client (the proxy ends the client's answer there)."""
+    tap = UsageTap(strip=False)
+    assert tap.feed(b'data: {"a": 1}\n\ndata: [DONE]\n\ndata: {"b": 2}\n\n') == b'data: {"a": 1}\n\ndata: [DONE]\n\n'
+    assert tap.done and tap.events == 2
+    assert tap.feed(b'data: {"choices": [], "usage": {"prompt_tokens": 1}}\n\nevent: x\ndata:') == b""
+    assert tap.usage is None and tap.flush() == b""
+
+
 def test_an_event_that_never_ends_is_refused_past_the_bound():
     tap = UsageTap(strip=False)
     chunk = b"data: " + b"x" * (1 << 20)

@@ -6,11 +6,11 @@ timeout: keep patterns free of nested quantifiers over the same text (``(a+)+``)
 """
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from protocol import untrusted_json
 from router.virtual_models.judges.verdict import Candidate, Judge, OnError, Verdict, decide
 
 _FENCE = re.compile(r"^\s*```[a-zA-Z0-9_-]*\s*\n(.*?)\n?```\s*$", re.S)
@@ -89,10 +89,13 @@ class JsonSchemaJudge:
             if m:
                 text = m.group(1)
         try:
-            value = json.loads(text)
+            value = untrusted_json.loads(text)
         except ValueError:
             return Verdict(False, 0.0, self.name, "invalid_json")
-        error = next(iter(sorted(self._validator.iter_errors(value), key=lambda e: list(e.absolute_path))), None)
+        try:
+            error = next(iter(sorted(self._validator.iter_errors(value), key=lambda e: list(e.absolute_path))), None)
+        except RecursionError:  # a recursive schema walked as deep as the answer nests: a rejection
+            return Verdict(False, 0.0, self.name, "schema_violation: (root): nested too deeply to validate")
         if error is not None:
             where = "/".join(str(p) for p in error.absolute_path) or "(root)"
             return Verdict(False, 0.0, self.name, f"schema_violation: {where}: {error.message}")

@@ -1,0 +1,22 @@
+"""JSON from outside the process (a worker's answer, a Redis message, a judge's verdict, a client's
+tool-call arguments): ``json.loads`` whose every failure is a ``ValueError``.
+
+``json.loads`` raises ``RecursionError``, not ``ValueError``, for arrays or objects nested past the
+interpreter's recursion limit (``[`` × 100,000 is 100 KB), and code that catches ``ValueError``
+for "not JSON" lets it through: a worker could turn its answer into the router's 500, a message
+on Redis could end a read of other workers' messages. Request bodies have their own, stricter
+check (``protocol/openai_body.py``: a depth limit with its own 400).
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+def loads(data: str | bytes | bytearray) -> Any:
+    """``json.loads(data)``; JSON nested too deeply to parse raises :class:`json.JSONDecodeError`
+    (a ``ValueError``), as malformed JSON does."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise json.JSONDecodeError("JSON nested too deeply to parse", "", 0) from None

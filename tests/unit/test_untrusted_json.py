@@ -1,0 +1,50 @@
+"""JSON from outside the process nested past the parser's depth is bad JSON like any other, never
+a ``RecursionError`` (protocol/untrusted_json.py): ``[`` × 100,000 is 100 KB, and code that catches
+``ValueError`` for "not JSON" lets a ``RecursionError`` through -- a worker's answer became the
+router's 500 (found by tests/integration/test_hostile_worker_answers.py)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from protocol import LoadReport, MessageError, untrusted_json
+from protocol.signing import verify
+from router.http.proxy import _json_usage, _status_failure
+from router.http.sse import UsageTap
+from router.routing.chat_tokens import vllm_conversation
+from router.state import _drain_applies
+from router.virtual_models.judges.format import JsonSchemaJudge
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+def test_deep_nesting_is_a_json_decode_error_and_shallow_json_parses():
+    with pytest.raises(json.JSONDecodeError, match="nested too deeply"):
+        untrusted_json.loads(DEEP)
+    with pytest.raises(json.JSONDecodeError):
+        untrusted_json.loads(DEEP.encode())
+    assert untrusted_json.loads(b'{"a": [1, {"b": null}]}') == {"a": [1, {"b": None}]}
+
+
+def test_every_reader_of_outside_json_reads_deep_nesting_as_bad_json():
+    with pytest.raises(MessageError):  # a load report or KV event from Redis
+        LoadReport.from_json(DEEP)
+    with pytest.raises(ValueError):  # a signed message
+        verify(DEEP, "secret")
+    assert _json_usage(DEEP.encode()) is None  # a worker's answer: no usage
+    assert _status_failure(503, DEEP.encode()).kind == "status"  # a worker's 5xx body
+    tap = UsageTap(strip=True)  # a worker's stream: the event passes as it came
+    event = b'data: {"usage": ' + DEEP.encode() + b"}\n\n"
+    assert tap.feed(event) == event and tap.usage is None
+    assert _drain_applies(DEEP, "w1") is True  # a drain entry on Redis: read as an old router's, by URL
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": DEEP}}  # a client's tool call
+    conversation = vllm_conversation([{"role": "assistant", "content": "", "tool_calls": [call]}], "string")
+    assert conversation[0]["tool_calls"][0]["function"]["arguments"] == {}
+
+
+def test_a_json_schema_judge_rejects_an_answer_too_deep_to_validate():
+    judge = JsonSchemaJudge({"type": "array", "items": {"$ref": "#"}})
+    assert judge.evaluate("[" * 900 + "]" * 900).reason == "schema_violation: (root): nested too deeply to validate"
+    assert judge.evaluate(DEEP).reason == "invalid_json"
+    assert judge.evaluate("[[], [[]]]").accept
