@@ -21,16 +21,11 @@ CHUNKED = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Enco
 CHUNKED_BODY = b"data: {\"a\":1}\n\ndata: [DONE]\n\n..."
 
 
-class Scripted:
-    """A loopback server answering each request on a connection with the next scripted reply
-    (bytes, written in ``pieces``), then doing ``after`` ("keep" the connection, "close" it, "hang")."""
+class LoopbackServer:
+    """A raw loopback HTTP server whose ``_serve`` each subclass writes; ``async with`` gives its URL."""
 
-    def __init__(self, replies: list[bytes], pieces: int = 1, after: str = "keep") -> None:
-        self.replies = list(replies)
-        self.pieces = pieces
-        self.after = after
+    def __init__(self) -> None:
         self.connections = 0
-        self.requests: list[bytes] = []
         self.server: asyncio.AbstractServer | None = None
 
     async def __aenter__(self) -> str:
@@ -42,13 +37,33 @@ class Scripted:
         self.server.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    async def read_request(reader: asyncio.StreamReader) -> bytes:
+        """One request (head and Content-Length body)."""
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length")))
+        return head + await reader.readexactly(length)
+
+
+class Scripted(LoopbackServer):
+    """A loopback server answering each request on a connection with the next scripted reply
+    (bytes, written in ``pieces``), then doing ``after`` ("keep" the connection, "close" it, "hang")."""
+
+    def __init__(self, replies: list[bytes], pieces: int = 1, after: str = "keep") -> None:
+        super().__init__()
+        self.replies = list(replies)
+        self.pieces = pieces
+        self.after = after
+        self.requests: list[bytes] = []
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
         try:
             while self.replies:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
-                                  if line.lower().startswith(b"content-length")))
-                self.requests.append(head + await reader.readexactly(length))
+                self.requests.append(await self.read_request(reader))
                 reply = self.replies.pop(0)
                 step = max(1, -(-len(reply) // self.pieces))
                 for i in range(0, len(reply), step):
@@ -105,29 +120,19 @@ async def test_a_connection_is_reused_after_a_complete_answer_and_not_after_conn
     assert first.endswith(b'\r\n\r\n{"x":1}')
 
 
-class ClosesWhenReused:
+class ClosesWhenReused(LoopbackServer):
     """Answers the first request on each connection, then closes it when the next one comes,
     without a byte: a worker ending an idle keep-alive connection as the router reuses it."""
 
     def __init__(self, partial: bytes = b"") -> None:
+        super().__init__()
         self.partial = partial  # sent before closing, instead of nothing
-        self.connections = 0
-        self.server: asyncio.AbstractServer | None = None
-
-    async def __aenter__(self) -> str:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self.server is not None
-        self.server.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
         try:
             for answer in (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}", self.partial):
-                head = await reader.readuntil(b"\r\n\r\n")
-                await reader.readexactly(int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0]))
+                await self.read_request(reader)
                 writer.write(answer)
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -291,29 +296,19 @@ async def test_a_host_whose_every_address_refuses_is_refused(monkeypatch):
     assert not refused(other.value)
 
 
-class EndsLate:
+class EndsLate(LoopbackServer):
     """Answers each request with a chunked stream whose last event is ``data: [DONE]``, and sends
     the body's end (``0\\r\\n\\r\\n``) ``end_after_s`` later, or never (None)."""
 
     def __init__(self, end_after_s: float | None) -> None:
+        super().__init__()
         self.end_after_s = end_after_s
-        self.connections = 0
-        self.server: asyncio.AbstractServer | None = None
-
-    async def __aenter__(self) -> str:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self.server is not None
-        self.server.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                await reader.readexactly(int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0]))
+                await self.read_request(reader)
                 writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\ne\r\ndata: [DONE]\n\n\r\n")
                 await writer.drain()
                 if self.end_after_s is None:
