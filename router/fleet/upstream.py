@@ -44,6 +44,7 @@ LOW_WATER = 64 * 1024
 MAX_HEAD_BYTES = 64 * 1024  # status line and headers together
 MAX_HEADERS = 128
 MAX_CHUNK_LINE = 4096  # a chunk-size line, extensions included
+REUSE_RACE_S = 0.25  # a reused connection closed within this of the write, unanswered: sent again (post)
 _STATUS_LINE = re.compile(r"HTTP/1\.([01]) ([1-9][0-9][0-9])(?: [^\r\n]*)?")
 HTTP_TOKEN = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"  # a header name (RFC 9110 token); the front's parser too
 _TOKEN = re.compile(HTTP_TOKEN)
@@ -392,6 +393,9 @@ class UpstreamResponse:
         within ``grace_s`` (a worker sends it at once), or is dropped then."""
         if self._finished or self._draining:
             return
+        if self._state == _DONE or self._exc is not None or self._conn.lost or not self._keep_alive:
+            self.release()  # ended already (the usual case), or never to be reused: at once
+            return
         self._draining = True
         self._drain_timer = self._loop.call_later(grace_s, self._drain_expired)
         self._drain()
@@ -457,6 +461,7 @@ class UpstreamPool:
         self._targets: dict[str, tuple[tuple, str, bytes]] = {}
         self._next_sweep = time.monotonic() + keepalive_s
         self.closed = False
+        self.stale_retries = 0  # requests sent again after a reused connection's close (post)
 
     @staticmethod
     def handles(base_url: str) -> bool:
@@ -486,14 +491,18 @@ class UpstreamPool:
                          b"Content-Length: %d\r\n\r\n" % len(body)))
         conn = self._idle_connection(key)
         if conn is not None:
+            sent_at = time.monotonic()
             try:
                 return await self._exchange(conn, key, head, body)
             except aiohttp.ServerDisconnectedError as exc:
-                # Closed by the worker as it was reused, before a byte of an answer: the worker
-                # ended an idle keep-alive connection (uvicorn's last 5 s) while this request was
-                # on its way, and never read it. Sent again, once, on a new connection.
-                if not getattr(exc, "nothing_received", False):
+                # Closed by the worker as it was reused, at once and before a byte of an answer:
+                # the worker ended an idle keep-alive connection (uvicorn's last 5 s) while this
+                # request was on its way, and never read it. Sent again, once, on a new
+                # connection. A close that comes later may follow a worker that read the
+                # request and worked on it: that is a failure, not sent again here.
+                if not getattr(exc, "nothing_received", False) or time.monotonic() - sent_at > REUSE_RACE_S:
                     raise
+                self.stale_retries += 1
         return await self._exchange(await self._connect(key), key, head, body)
 
     async def _exchange(self, conn: _Connection, key: tuple, head: bytes, body: bytes) -> UpstreamResponse:

@@ -29,6 +29,7 @@ join every router through Redis self-registration or Kubernetes discovery). A ro
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -37,6 +38,7 @@ from typing import Any
 from aiohttp import web
 from redis.exceptions import RedisError
 
+from protocol import untrusted_json
 from protocol.api_keys import bearer_token, matches_any
 from protocol.openai_api import OpenAIError
 from protocol.settings import describe
@@ -84,7 +86,11 @@ async def replicate(request: web.Request, handler: Handler) -> web.StreamRespons
         response = await handler(request)
         if request.path.endswith("/usage") and isinstance(response, web.Response) and response.status == 200:
             theirs = await siblings.gather("GET", request.path_qs, _replayed_headers(request))
-            views = [json.loads(response.body)] + [json.loads(body) for _, status, body in theirs if status == 200]
+            views = [json.loads(response.body)]
+            for _, status, body in theirs:  # the other processes' views (one that is not JSON is left out)
+                if status == 200:
+                    with contextlib.suppress(ValueError):
+                        views.append(untrusted_json.loads(body))
             response = web.json_response(sum_json(views))
             response.headers[HEADER_APPLIED] = f"{len(views)}/{siblings.slot.count}"
         return response
@@ -106,7 +112,7 @@ def _replayed_headers(request: web.Request) -> dict[str, str]:
 
 async def _json(request: web.Request) -> dict[str, Any]:
     try:
-        body = await request.json()
+        body = untrusted_json.loads(await request.read())
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise _error(400, "Body must be a JSON object", "invalid_request_error", "invalid_json") from None
     if not isinstance(body, dict):

@@ -425,12 +425,10 @@ class Proxy:
             self.metrics.client_disconnects.inc()
             raise
         finally:
-            if not completed:
-                upstream.close()  # drop the connection: the worker aborts the request
-            elif isinstance(upstream, UpstreamResponse):
-                upstream.release_after_end()  # the HTTP body's end may follow [DONE]
+            if completed:
+                release_after_end(upstream)  # the HTTP body's end may follow [DONE]
             else:
-                upstream.release()
+                upstream.close()  # drop the connection: the worker aborts the request
             booking.usage = tap.usage
 
     async def _pass_through(self, response: web.StreamResponse, upstream: aiohttp.ClientResponse,
@@ -472,6 +470,35 @@ class Proxy:
             if worker is not None:
                 self.registry.mark_failed(worker, f"stream: {failure.kind}: {failure}"[:200], time.time())
         log.warning("event=stream_failed worker=%s kind=%s detail=%r", worker_id, failure.kind, str(failure)[:200])
+
+
+_DRAINS: set[asyncio.Task] = set()  # aiohttp answers read to their end after the client's stream ended
+
+
+def release_after_end(upstream: Any, grace_s: float = 1.0) -> None:
+    """Release a stream that ended at ``data: [DONE]``: its connection goes back to the pool once
+    the HTTP body's end follows, within ``grace_s`` (a worker sends it at once), else it is closed."""
+    if isinstance(upstream, UpstreamResponse):
+        upstream.release_after_end(grace_s)
+        return
+    # aiohttp's ClientResponse (https workers) closes its connection if released before the end
+    task = asyncio.get_running_loop().create_task(_drain_then_release(upstream, grace_s))
+    _DRAINS.add(task)
+    task.add_done_callback(_DRAINS.discard)
+
+
+async def _drain_then_release(upstream: aiohttp.ClientResponse, grace_s: float) -> None:
+    try:
+        async with asyncio.timeout(grace_s):
+            while await upstream.content.readany():
+                pass  # after [DONE]: dropped
+    except asyncio.CancelledError:  # the router stopping
+        upstream.close()
+        raise
+    except (TimeoutError, aiohttp.ClientError, OSError):  # too slow, or failed: not reused
+        upstream.close()
+        return
+    upstream.release()
 
 
 async def _read_capped(content: aiohttp.StreamReader) -> bytes:

@@ -35,7 +35,11 @@ def load() -> ModuleType | None:
                       f"(layout {getattr(_hotloop, 'LAYOUT_VERSION', None)}, expected {LAYOUT_VERSION}): "
                       "using the Python loops; reinstall (make install) to rebuild it", RuntimeWarning)
         return None
-    _hotloop.bind(Candidate, WorkerLoad, NOT_ON_RING)
+    try:
+        _hotloop.bind(Candidate, WorkerLoad, NOT_ON_RING)
+    except (RuntimeError, TypeError) as exc:  # bound to other types already (a module reloaded), or a layout it cannot read
+        warnings.warn(f"router/routing/_hotloop cannot be used here ({exc}): using the Python loops", RuntimeWarning)
+        return None
     return _hotloop
 
 

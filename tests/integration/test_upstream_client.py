@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 
 from router.fleet.health import refused
-from router.fleet.upstream import HIGH_WATER, UpstreamPool, UpstreamProtocolError
+from router.fleet.upstream import HIGH_WATER, REUSE_RACE_S, UpstreamPool, UpstreamProtocolError
 from tests.integration.router_harness import wait_until
 from tests.support import free_port
 
@@ -124,15 +124,20 @@ class ClosesWhenReused(LoopbackServer):
     """Answers the first request on each connection, then closes it when the next one comes,
     without a byte: a worker ending an idle keep-alive connection as the router reuses it."""
 
-    def __init__(self, partial: bytes = b"") -> None:
+    def __init__(self, partial: bytes = b"", close_after_s: float = 0.0) -> None:
         super().__init__()
         self.partial = partial  # sent before closing, instead of nothing
+        self.close_after_s = close_after_s  # how long it "works" on the second request before closing
+        self.requests = 0
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
         try:
             for answer in (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}", self.partial):
                 await self.read_request(reader)
+                self.requests += 1
+                if answer is self.partial:
+                    await asyncio.sleep(self.close_after_s)
                 writer.write(answer)
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -147,15 +152,18 @@ async def test_a_reused_connection_closed_before_a_byte_of_answer_is_tried_again
         pool = UpstreamPool(1.0, 5.0)
         for _ in range(3):  # each second request meets the close, and goes out again
             assert await _body(pool, url) == (200, {"Content-Length": "2"}, b"{}")
-        assert server.connections == 3
+        assert server.connections == 3 and pool.stale_retries == 2
 
 
 async def test_a_new_connection_or_a_partial_answer_closed_is_not_tried_again():
-    async with ClosesWhenReused(partial=b"HTTP/1.1 200") as url:
-        pool = UpstreamPool(1.0, 5.0)
-        await _body(pool, url)
-        with pytest.raises(aiohttp.ServerDisconnectedError):  # some of an answer: the worker read it
+    for server in (ClosesWhenReused(partial=b"HTTP/1.1 200"),  # some of an answer: the worker read it
+                   ClosesWhenReused(close_after_s=REUSE_RACE_S * 3)):  # it read it, worked, then failed
+        async with server as url:
+            pool = UpstreamPool(1.0, 5.0)
             await _body(pool, url)
+            with pytest.raises(aiohttp.ServerDisconnectedError):
+                await _body(pool, url)
+            assert server.requests == 2 and pool.stale_retries == 0  # sent once
     async with Scripted([b""], after="close") as url:  # a new connection: nothing to blame on reuse
         with pytest.raises(aiohttp.ServerDisconnectedError):
             await UpstreamPool(1.0, 5.0).post(url, "/v1/completions", b"{}", {})
@@ -330,6 +338,48 @@ async def test_a_stream_released_at_its_done_event_is_pooled_when_its_end_follow
         for _ in range(2):
             response = await pool.post(url, "/v1/completions", b"{}", {})
             assert await response.content.readany() == b"data: [DONE]\n\n"
-            response.release_after_end(grace_s=0.3)
+            response.release_after_end(grace_s=5.0 if end_after_s is not None else 0.3)
             await wait_until(lambda: response._finished, what="the answer's end, or the grace over")
         assert server.connections == connections
+
+
+@pytest.mark.parametrize("end_after_s, connections", [(0.05, 1), (None, 2)])
+async def test_an_aiohttp_stream_released_at_its_done_event_is_pooled_when_its_end_follows(end_after_s, connections):
+    """The same for ``https://`` workers, whose answers are aiohttp's (router/http/proxy.py)."""
+    from aiohttp import web
+
+    from router.http.proxy import release_after_end
+
+    peers: set = set()
+    ended = asyncio.Event()
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        peers.add(request.transport.get_extra_info("peername"))
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b"data: [DONE]\n\n")
+        if end_after_s is None:
+            await ended.wait()
+        else:
+            await asyncio.sleep(end_after_s)
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", stream)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1/completions"
+    try:
+        async with aiohttp.ClientSession() as session:
+            for _ in range(2):
+                response = await session.post(url, data=b"{}")
+                assert await response.content.readany() == b"data: [DONE]\n\n"
+                release_after_end(response, grace_s=5.0 if end_after_s is not None else 0.3)
+                await wait_until(lambda: response.closed or response.connection is None, what="released or closed")
+            assert len(peers) == connections
+    finally:
+        ended.set()
+        await runner.cleanup()

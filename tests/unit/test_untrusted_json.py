@@ -15,6 +15,10 @@ from router.http.sse import UsageTap
 from router.routing.chat_tokens import vllm_conversation
 from router.state import _drain_applies
 from router.virtual_models.judges.format import JsonSchemaJudge
+from worker.engine.chat_template import with_tool_call_objects
+from worker.engine.errors import InvalidLoRAAdapterError
+from worker.engine.lora.adapter import _header, _parse_config
+from worker.server.api.tool_calls import HermesParser, Llama3JsonParser
 
 DEEP = "[" * 100_000 + "]" * 100_000
 
@@ -41,6 +45,21 @@ def test_every_reader_of_outside_json_reads_deep_nesting_as_bad_json():
     call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": DEEP}}  # a client's tool call
     conversation = vllm_conversation([{"role": "assistant", "content": "", "tool_calls": [call]}], "string")
     assert conversation[0]["tool_calls"][0]["function"]["arguments"] == {}
+
+
+def test_the_worker_reads_deep_nesting_as_bad_json_too():
+    """A client's tool-call arguments (the router forwards them: a worker 500 there counted against
+    every worker's breaker it reached), a model's tool-call output, an adapter's files."""
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": DEEP}}
+    fixed = with_tool_call_objects([{"role": "assistant", "content": "", "tool_calls": [call]}])
+    assert fixed[0]["tool_calls"][0]["function"]["arguments"] == {}
+    for text in ('<tool_call>{"name": "f", "arguments": "' + DEEP + '"}</tool_call>', "<tool_call>" + DEEP):
+        assert HermesParser().parse(text).tool_calls == []
+    assert Llama3JsonParser().parse("{" + '"a": {' * 100_000 + "}" * 100_001).tool_calls == []
+    with pytest.raises(InvalidLoRAAdapterError):
+        _parse_config(DEEP.encode(), "a", 64)
+    with pytest.raises(InvalidLoRAAdapterError):
+        _header(len(DEEP).to_bytes(8, "little") + DEEP.encode(), "a")
 
 
 def test_a_json_schema_judge_rejects_an_answer_too_deep_to_validate():

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from protocol import untrusted_json
 from worker.engine.errors import InvalidRequestError
 
 
@@ -60,7 +61,7 @@ def with_tool_call_objects(messages: list[dict[str, Any]]) -> list[dict[str, Any
                 fn = call.get("function") if isinstance(call, dict) else None
                 if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
                     try:
-                        args = json.loads(fn["arguments"]) if fn["arguments"] else {}
+                        args = untrusted_json.loads(fn["arguments"]) if fn["arguments"] else {}
                     except ValueError:
                         args = {}
                     call = {**call, "function": {**fn, "arguments": args if isinstance(args, dict) else {}}}

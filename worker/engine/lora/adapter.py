@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from protocol import untrusted_json
 from worker.engine.config import ModelConfig
 from worker.engine.errors import InvalidLoRAAdapterError, LoRAAdapterNotFoundError
 from worker.engine.stats import LoRACounters
@@ -113,7 +114,7 @@ def _read_files(path: Path, name: str) -> tuple[bytes, bytes]:
 def _parse_config(raw: bytes, name: str, max_rank: int) -> tuple[int, float]:
     """(rank, scaling) of a LoRA ``adapter_config.json``, refusing what the engine cannot serve."""
     try:
-        cfg = json.loads(raw)
+        cfg = untrusted_json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InvalidLoRAAdapterError(f"adapter {name!r}: {CONFIG_FILE} is not valid JSON: {exc}") from None
     if not isinstance(cfg, dict):
@@ -141,7 +142,7 @@ def _header(data: bytes, name: str) -> dict[str, Any]:
     """The safetensors header (tensor name -> dtype, shape) without reading any tensor."""
     try:
         (size,) = struct.unpack("<Q", data[:8])
-        header = json.loads(data[8:8 + size])
+        header = untrusted_json.loads(data[8:8 + size])
     except (struct.error, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InvalidLoRAAdapterError(f"adapter {name!r}: {WEIGHTS_FILE} is not a safetensors file: {exc}") from None
     header.pop("__metadata__", None)

@@ -23,6 +23,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
+from protocol import untrusted_json
+
 
 @dataclass(slots=True)
 class ToolCall:
@@ -53,7 +55,7 @@ def _call_from(obj: Any, args_keys: tuple[str, ...]) -> ToolCall | None:
     args = next((obj[k] for k in args_keys if k in obj), {})
     if isinstance(args, str):  # already JSON text: keep it if it is JSON
         try:
-            json.loads(args)
+            untrusted_json.loads(args)
         except ValueError:
             return None
         return ToolCall(obj["name"], args)
@@ -104,7 +106,7 @@ class HermesParser(ToolCallParser):
         calls = []
         for block in self._BLOCK.findall(text[start:]):
             try:
-                call = _call_from(json.loads(block), ("arguments",))
+                call = _call_from(untrusted_json.loads(block), ("arguments",))
             except ValueError:
                 call = None
             if call is None:
@@ -134,7 +136,7 @@ class Llama3JsonParser(ToolCallParser):
         while pos < len(body):
             try:
                 obj, end = self._decoder.raw_decode(body, pos)
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: nested past the parser's depth
                 return ParsedOutput(text, [])
             call = _call_from(obj, ("parameters", "arguments"))
             if call is None:
