@@ -397,6 +397,17 @@ def test_bind_takes_only_its_own_types_slots_and_binds_once():
 
 
 @needs_c
+def test_a_module_reloaded_with_new_record_types_falls_back_to_the_python_loops(monkeypatch):
+    import dataclasses
+
+    twin = dataclasses.make_dataclass("Twin", [(f.name, f.type, f) for f in dataclasses.fields(Candidate)],
+                                      slots=True)
+    monkeypatch.setattr(hotloop, "Candidate", twin)  # what importlib.reload(policy) would leave
+    with pytest.warns(RuntimeWarning, match="Python loops"):
+        assert hotloop.load() is None
+
+
+@needs_c
 def test_least_loaded_reads_odd_inputs_as_python_does():
     heap = [(0.0, 0, "gone")]
     assert C_LOOPS.least_loaded(heap, {"gone": None}, 1, frozenset()) == [] and heap == []  # None: stale
