@@ -214,6 +214,18 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+# One decoder for every body: json.loads(text, parse_constant=...) builds a decoder and its
+# scanner on each call, half the cost of decoding a small request. (_loads keeps json.loads'
+# refusal of a leading BOM.)
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+
+
+def _loads(text: str) -> Any:
+    if text.startswith("\ufeff"):
+        raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)
+    return _DECODER.decode(text)
+
+
 def parse_json_body(raw: bytes | bytearray, limits: RequestLimits = DEFAULT_LIMITS) -> dict[str, Any]:
     """Decode a request body into a JSON object, or raise a 4xx :class:`OpenAIError`.
 
@@ -232,7 +244,7 @@ def parse_json_body(raw: bytes | bytearray, limits: RequestLimits = DEFAULT_LIMI
     except UnicodeDecodeError as exc:
         raise bad_request(f"Request body is not valid UTF-8 (byte {exc.start})") from None
     try:
-        body = json.loads(text, parse_constant=_reject_constant)
+        body = _loads(text)
     except RecursionError:
         raise bad_request(f"JSON nesting is deeper than {limits.max_depth} levels") from None
     except ValueError as exc:  # json.JSONDecodeError and rejected constants
