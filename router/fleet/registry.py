@@ -121,6 +121,7 @@ class WorkerRegistry:
         self._by_url: dict[str, Worker] = {}
         self._by_id: dict[str, Worker] = {}
         self._model_exclusions: dict[str, frozenset[str]] = {}
+        self._models: list[str] | None = None  # models(), until the next change (read per request)
         self.on_added: list[Callable[[Worker], None]] = []      # start probing it
         self.on_removed: list[Callable[[Worker], None]] = []    # stop probing it
         self.on_unavailable: list[Callable[[str], None]] = []   # breaker opened: abandon its requests
@@ -150,7 +151,11 @@ class WorkerRegistry:
 
     def models(self) -> list[str]:
         """Every model a routable worker serves, sorted."""
-        return sorted({m for w in self._by_url.values() if w.state in ROUTABLE for m in (*w.models, *w.adapters)})
+        models = self._models
+        if models is None:
+            models = self._models = sorted({m for w in self._by_url.values() if w.state in ROUTABLE
+                                            for m in (*w.models, *w.adapters)})
+        return list(models)
 
     def excluded_for(self, model: str) -> frozenset[str]:
         """Routable workers that do not serve ``model`` (the policy must not pick them)."""
@@ -372,6 +377,7 @@ class WorkerRegistry:
 
     def _changed(self) -> None:
         self._model_exclusions.clear()
+        self._models = None
 
 
 MAX_ADAPTER_MODELS = 4096  # adapter names taken from one worker's report at most
