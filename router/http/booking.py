@@ -15,10 +15,12 @@ by any exit, and nothing else does.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from typing import Any
 
+from protocol import untrusted_json
 from router.metrics import RouterMetrics
 from router.routing.balancer import Balancer, Booking
 from router.routing.policy import Decision
@@ -32,14 +34,31 @@ class BookedAttempt:
     """A worker booked for one attempt (see the module docstring); ``usage`` is what the worker
     reported (its usage object), set by whoever read the answer, and learnt from on release."""
 
-    __slots__ = ("balancer", "metrics", "booking", "usage", "after_answer")
+    __slots__ = ("balancer", "metrics", "booking", "_usage", "_answer", "after_answer")
 
     def __init__(self, balancer: Balancer, metrics: RouterMetrics, booking: Booking) -> None:
         self.balancer = balancer
         self.metrics = metrics
         self.booking = booking
-        self.usage: dict[str, Any] | None = None
+        self._usage: dict[str, Any] | None = None
+        self._answer: bytes | None = None
         self.after_answer = False
+
+    @property
+    def usage(self) -> dict[str, Any] | None:
+        """The worker's usage object (of a whole answer: read from it on first use)."""
+        if self._answer is not None:
+            self._usage, self._answer = json_usage(self._answer), None
+        return self._usage
+
+    @usage.setter
+    def usage(self, usage: dict[str, Any] | None) -> None:
+        self._usage, self._answer = usage, None
+
+    def answered(self, data: bytes) -> None:
+        """The worker's whole (JSON) answer: ``usage`` is its usage object. Read when first asked
+        for (by the release, in the loop's next turn): parsing the answer does not delay it."""
+        self._usage, self._answer = None, data
 
     @property
     def decision(self) -> Decision:
@@ -77,6 +96,22 @@ class BookedAttempt:
                 log.warning("event=cached_tokens_unreported worker=%s (its usage has no prompt_tokens_details."
                             "cached_tokens: routing cannot learn from its answers; vLLM needs "
                             "--enable-prompt-tokens-details)", d.worker_id)
+
+
+_DECODER = json.JSONDecoder()
+
+
+def json_usage(data: bytes) -> dict[str, Any] | None:
+    """The ``usage`` object of a JSON answer (as ``untrusted_json.loads(data)`` reads it), or None."""
+    try:
+        if len(data) >= 2 and data[0] == 0x7B and data[1]:  # json.loads' detect_encoding would say UTF-8
+            obj = _DECODER.decode(data.decode("utf-8", "surrogatepass"))
+        else:
+            obj = untrusted_json.loads(data)
+    except (ValueError, RecursionError):  # (untrusted_json's: nested too deeply is not JSON either)
+        return None
+    usage = obj.get("usage") if isinstance(obj, dict) else None
+    return usage if isinstance(usage, dict) else None
 
 
 def book(balancer: Balancer, metrics: RouterMetrics, decision: Decision, prompt: PromptKey) -> BookedAttempt:

@@ -374,7 +374,7 @@ class Proxy:
         try:
             booking.first_byte()
             if upstream.status == 200:
-                booking.usage = _json_usage(data)
+                booking.answered(data)
                 self.registry.request_ok(booking.decision.worker_id, time.time())
             return web.Response(body=data, status=upstream.status,
                                 headers=self._headers(booking, upstream, request_id, extra_headers))
@@ -524,12 +524,3 @@ def _status_failure(status: int, body: bytes) -> _Failed:
     if status == 503 and code == "draining":
         return _Failed("draining", "the worker is draining")
     return _Failed("status", f"worker answered {status}" + (f" ({code})" if isinstance(code, str) else ""))
-
-
-def _json_usage(data: bytes) -> dict[str, Any] | None:
-    try:
-        obj = untrusted_json.loads(data)
-    except ValueError:
-        return None
-    usage = obj.get("usage") if isinstance(obj, dict) else None
-    return usage if isinstance(usage, dict) else None

@@ -10,7 +10,8 @@ import pytest
 
 from protocol import LoadReport, MessageError, untrusted_json
 from protocol.signing import verify
-from router.http.proxy import _json_usage, _status_failure
+from router.http.booking import json_usage
+from router.http.proxy import _status_failure
 from router.http.sse import UsageTap
 from router.routing.chat_tokens import vllm_conversation
 from router.state import _drain_applies
@@ -36,7 +37,8 @@ def test_every_reader_of_outside_json_reads_deep_nesting_as_bad_json():
         LoadReport.from_json(DEEP)
     with pytest.raises(ValueError):  # a signed message
         verify(DEEP, "secret")
-    assert _json_usage(DEEP.encode()) is None  # a worker's answer: no usage
+    assert json_usage(DEEP.encode()) is None  # a worker's answer: no usage
+    assert json_usage(b'{"usage": ' + DEEP.encode() + b"}") is None  # (an object's: read without detect_encoding)
     assert _status_failure(503, DEEP.encode()).kind == "status"  # a worker's 5xx body
     tap = UsageTap(strip=True)  # a worker's stream: the event passes as it came
     event = b'data: {"usage": ' + DEEP.encode() + b"}\n\n"
