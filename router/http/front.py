@@ -265,7 +265,11 @@ class FrontProtocol(asyncio.Protocol):
         self.closing = False
         self.lost = False
         self._drain: asyncio.Future | None = None
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.TimerHandle | None = None  # a body's wait
+        # Keep-alive: the connection closes KEEPALIVE_S after it went idle. One timer, moved on
+        # only when it fires (not re-armed and cancelled around every request).
+        self._keepalive: asyncio.TimerHandle | None = None
+        self._idle_since: float | None = None  # None while a request is read or answered
         self._waiting_body = False
         self.head_sent = False  # the current request's answer has begun
 
@@ -292,6 +296,7 @@ class FrontProtocol(asyncio.Protocol):
         self.lost = True
         self.front.connections.discard(self)
         self._cancel_timer()
+        self._cancel_keepalive()
         if self.task is not None:
             self.task.cancel()  # the client went away: its handler stops (as aiohttp's handler_cancellation)
         self._wake(ConnectionResetError("Connection lost"))
@@ -330,6 +335,7 @@ class FrontProtocol(asyncio.Protocol):
 
     def close(self) -> None:
         self._cancel_timer()
+        self._cancel_keepalive()
         if self.transport is not None:
             self.transport.close()
 
@@ -339,9 +345,33 @@ class FrontProtocol(asyncio.Protocol):
             self._timer.cancel()
             self._timer = None
 
+    def _cancel_keepalive(self) -> None:
+        self._idle_since = None
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+            self._keepalive = None
+
     def _idle(self) -> None:
+        """Idle from now: closed after KEEPALIVE_S unless a request comes first."""
         self._cancel_timer()
-        self._timer = asyncio.get_running_loop().call_later(KEEPALIVE_S, self.close)
+        self._idle_since = asyncio.get_running_loop().time()
+        if self._keepalive is None:
+            self._keep_alive_until(self._idle_since + KEEPALIVE_S)
+
+    def _keep_alive_until(self, due: float) -> None:
+        self._keepalive = asyncio.get_running_loop().call_at(due, self._keepalive_due, due)
+
+    def _keepalive_due(self, due: float) -> None:
+        """The timer set for ``due`` fired: close if that is the current idle period's deadline
+        (compared, not read off the clock: a timer may fire a little before its time)."""
+        self._keepalive = None
+        if self._idle_since is None:  # busy: idle again (and timed again) once its answer is out
+            return
+        deadline = self._idle_since + KEEPALIVE_S
+        if due >= deadline:
+            self.close()
+        else:  # a request came and went since the timer was set
+            self._keep_alive_until(deadline)
 
     def _next(self) -> None:
         """Serve the request at the start of the buffer, or hand the connection to aiohttp."""
@@ -357,6 +387,7 @@ class FrontProtocol(asyncio.Protocol):
         handler = handlers[parsed[0]]
         _, headers, length, keep_alive = parsed
         start = end + 4
+        self._idle_since = None
         if len(buffer) < start + length:
             if not self._waiting_body:
                 self._waiting_body = True
@@ -376,6 +407,7 @@ class FrontProtocol(asyncio.Protocol):
         """aiohttp takes this connection, with every byte not yet used (from the current
         request's first byte on)."""
         self._cancel_timer()
+        self._cancel_keepalive()
         self._waiting_body = False
         transport = self.transport
         if self.lost or transport is None or transport.is_closing():

@@ -204,3 +204,20 @@ async def test_no_fast_front_serves_the_port_with_aiohttp_alone():
         async with aiohttp.ClientSession() as http:
             async with http.post(url + "/v1/completions", json=BODY) as resp:
                 assert resp.status == 200 and (await resp.json())["choices"]
+
+
+async def test_an_idle_connection_closes_keepalive_seconds_after_its_last_answer(router, monkeypatch):
+    ctx, worker, host, port = router
+    monkeypatch.setattr("router.http.front.KEEPALIVE_S", 0.4)
+    loop = asyncio.get_running_loop()
+    reader, writer = await asyncio.open_connection(host, port)
+    opened = loop.time()
+    await asyncio.sleep(0.25)
+    writer.write(post("/v1/completions", BODY))  # before the first deadline: the idle time starts again
+    assert (await read_response(reader))[0] == 200
+    answered = loop.time()
+    assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the router
+    closed = loop.time()
+    assert closed - opened > 0.4 + 0.2  # not at the first deadline (the connection was busy since)
+    assert 0.4 - 0.05 <= closed - answered < 0.4 + 1.0
+    writer.close()
