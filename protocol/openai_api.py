@@ -165,7 +165,17 @@ def _token_ids(body: dict, name: str, max_len: int) -> list[int]:
 
 
 
+# Fields most requests leave out: each group is read only when one of its fields is present (the
+# same answers, without a helper call per absent field on every request).
+_UNSUPPORTED_FIELDS = frozenset({"frequency_penalty", "presence_penalty", "repetition_penalty", "min_p",
+                                 "min_tokens", "logit_bias"})
+_RARE_SAMPLING_FIELDS = frozenset({"n", "best_of", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos"})
+_OPTIONAL_NAMES = frozenset({"user", "session_id", "cache_salt", "lora_adapter"})
+
+
 def _check_unsupported(body: dict) -> None:
+    if _UNSUPPORTED_FIELDS.isdisjoint(body):
+        return
     _neutral(body, "frequency_penalty", 0, "penalties are not implemented")
     _neutral(body, "presence_penalty", 0, "penalties are not implemented")
     _neutral(body, "repetition_penalty", 1, "penalties are not implemented")
@@ -180,6 +190,9 @@ def _check_unsupported(body: dict) -> None:
 
 def _sampling(body: dict, limits: RequestLimits, max_tokens: int | None, logprobs: int | None) -> SamplingOptions:
     _check_unsupported(body)
+    if _RARE_SAMPLING_FIELDS.isdisjoint(body):
+        return SamplingOptions(max_tokens=max_tokens, temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
+                               top_p=_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True), logprobs=logprobs)
     n = _int(body, "n", 1, 1, limits.max_n)
     best_of = _int(body, "best_of", None, 1, limits.max_n)
     if best_of is not None and best_of != n:
@@ -226,9 +239,12 @@ class _Common:
 def _common(body: dict, limits: RequestLimits, max_tokens: int | None, logprobs: int | None) -> _Common:
     model = _name(body, "model", limits, required=True)
     stream, include_usage = _stream(body)
+    sampling = _sampling(body, limits, max_tokens, logprobs)
+    if _OPTIONAL_NAMES.isdisjoint(body):
+        return _Common(model or "", sampling, stream, include_usage, None, None, None, None)
     return _Common(
         model=model or "",
-        sampling=_sampling(body, limits, max_tokens, logprobs),
+        sampling=sampling,
         stream=stream,
         include_usage=include_usage,
         user=_name(body, "user", limits),
