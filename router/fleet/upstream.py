@@ -69,6 +69,10 @@ class _Connection(asyncio.Protocol):
         self.response: UpstreamResponse | None = None
         self.lost = False
         self.idle_since = 0.0
+        # The read timeout of its responses: one timer, moved on when it fires, not armed and
+        # cancelled around every wait for bytes (see UpstreamResponse._wait).
+        self.read_timer: asyncio.TimerHandle | None = None
+        self.read_timer_at = 0.0  # when it is due (loop time)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -94,14 +98,34 @@ class _Connection(asyncio.Protocol):
 
     def _lost(self, exc: BaseException | None) -> None:
         self.lost = True
+        self._stop_read_timer()
         if self.response is not None:
             self.response._connection_lost(exc)
 
     def close(self) -> None:
         """Drop the connection (the worker sees the request aborted)."""
         self.lost = True
+        self._stop_read_timer()
         if self.transport is not None:
             self.transport.close()
+
+    def wait_timer(self, loop: asyncio.AbstractEventLoop, deadline: float) -> None:
+        """The response's wait ends by ``deadline`` (its ``_read_due`` then): a timer is due then
+        or earlier."""
+        if self.read_timer is None:
+            self.read_timer = loop.call_at(deadline, self._read_due)
+            self.read_timer_at = deadline
+
+    def _read_due(self) -> None:
+        self.read_timer = None
+        response = self.response
+        if response is not None:
+            response._read_due(self.read_timer_at)
+
+    def _stop_read_timer(self) -> None:
+        if self.read_timer is not None:
+            self.read_timer.cancel()
+            self.read_timer = None
 
 
 class UpstreamResponse:
@@ -109,7 +133,7 @@ class UpstreamResponse:
 
     __slots__ = ("status", "headers", "_conn", "_pool", "_key", "_loop", "_read_timeout", "_buf", "_state",
                  "_remaining", "_chunks", "_buffered", "_paused", "_keep_alive", "_exc", "_waiter", "_head_done",
-                 "_finished", "_received", "_draining", "_drain_timer")
+                 "_finished", "_received", "_draining", "_drain_timer", "_read_deadline")
 
     def __init__(self, conn: _Connection, pool: "UpstreamPool", key: tuple, read_timeout: float | None) -> None:
         self.status = 0
@@ -133,6 +157,7 @@ class UpstreamResponse:
         self._received = False  # any byte of the answer
         self._draining = False  # released before its end (release_after_end): the rest is dropped
         self._drain_timer: asyncio.TimerHandle | None = None
+        self._read_deadline = 0.0  # of the current wait
 
     @property
     def content(self) -> "UpstreamResponse":
@@ -319,23 +344,28 @@ class UpstreamResponse:
 
     async def _wait(self) -> None:
         """Until more bytes, the end or a failure; ``aiohttp.ServerTimeoutError`` after ``read_timeout`` s."""
-        waiter = self._waiter = self._loop.create_future()
-        handle = None
+        loop = self._loop
+        waiter = self._waiter = loop.create_future()
         if self._read_timeout is not None:
-            handle = self._loop.call_later(self._read_timeout, self._timed_out, waiter)
+            self._read_deadline = loop.time() + self._read_timeout
+            self._conn.wait_timer(loop, self._read_deadline)
         try:
             await waiter
         finally:
             self._waiter = None
-            if handle is not None:
-                handle.cancel()
         if waiter.result() is not None:
             raise waiter.result()
 
-    @staticmethod
-    def _timed_out(waiter: asyncio.Future) -> None:
-        if not waiter.done():
+    def _read_due(self, due: float) -> None:
+        """The connection's read timer, set for ``due``, fired: the wait in progress times out if
+        that was its deadline, else the timer is moved on to it (a wait that began since)."""
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return  # not waiting: the next wait sets the timer again
+        if due >= self._read_deadline:
             waiter.set_result(aiohttp.ServerTimeoutError("Timeout on reading data from socket"))
+        else:
+            self._conn.wait_timer(self._loop, self._read_deadline)
 
     async def _start(self) -> None:
         while not self._head_done:

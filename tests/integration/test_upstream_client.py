@@ -383,3 +383,44 @@ async def test_an_aiohttp_stream_released_at_its_done_event_is_pooled_when_its_e
     finally:
         ended.set()
         await runner.cleanup()
+
+
+async def test_the_read_timeout_counts_from_the_last_bytes_on_a_reused_connection_too():
+    """Silence is timed from each wait's start: bytes (or a new request on a pooled connection)
+    before the deadline move it on, and the timeout comes read_timeout after the last of them."""
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    done = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(2)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")  # the first request, at once
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(2)
+        await asyncio.sleep(0.3)  # the second: its head after 0.3 s, a chunk 0.3 s later, then silence
+        writer.write(head)
+        await asyncio.sleep(0.3)
+        writer.write(b"2\r\nhi\r\n")
+        await done.wait()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    pool = UpstreamPool(1.0, 0.4)
+    loop = asyncio.get_running_loop()
+    try:
+        first = await pool.post(url, "/v1/completions", b"{}", {})
+        assert await first.content.read() == b"ok"
+        first.release()
+        await asyncio.sleep(0.2)  # the connection idles in the pool past part of the first wait's timeout
+        second = await pool.post(url, "/v1/completions", b"{}", {})
+        assert await second.content.readany() == b"hi"
+        got = loop.time()
+        with pytest.raises(aiohttp.ServerTimeoutError):
+            await second.content.readany()
+        assert 0.4 - 0.05 <= loop.time() - got < 0.4 + 1.0
+        second.close()
+    finally:
+        done.set()
+        pool.close()
+        server.close()
