@@ -472,7 +472,12 @@ def _refused_everywhere(exc: OSError) -> ConnectionRefusedError | None:
 def header_lines(headers: Mapping[str, str]) -> str:
     """``headers`` as HTTP lines (``name: value`` and CRLF each), or a ValueError naming one with
     a CR or LF in it (aiohttp refuses those too): a request smuggled in a header is never sent."""
-    lines = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
+    try:
+        # str.join, not f-strings: the names of a CIMultiDict (a response's headers) are istr,
+        # which f-strings format through a slow path (4.2 us for 8 headers; 2.4 us joined)
+        lines = "\r\n".join(map(": ".join, headers.items())) + "\r\n" if headers else ""
+    except TypeError:  # a value that is not a str: formatted, as before
+        lines = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
     if lines.count("\n") != len(headers) or lines.count("\r") != len(headers):
         for name, value in headers.items():
             if "\n" in value or "\r" in value or "\n" in name or "\r" in name:
