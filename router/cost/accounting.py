@@ -32,7 +32,7 @@ class CostAccounting:
 
     def record(self, model: str, tenant: str, usage: Mapping[str, Any] | None) -> PricedUsage | None:
         """Price and count one answer's OpenAI ``usage`` (nothing when there is none)."""
-        if not isinstance(usage, Mapping):
+        if type(usage) is not dict and not isinstance(usage, Mapping):  # (a dict: no ABC check)
             return None
         parsed = usage_from_openai(usage)
         priced = self.price(model, parsed)

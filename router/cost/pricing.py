@@ -43,10 +43,15 @@ class Usage:
     cache_ttl: str = "5m"
 
     def __post_init__(self) -> None:
-        for name in ("prompt_tokens", "completion_tokens", "cached_tokens", "cache_write_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        prompt, completion, cached, written = (self.prompt_tokens, self.completion_tokens, self.cached_tokens,
+                                               self.cache_write_tokens)
+        # one test for the usual case (plain ints, none negative): one usage a request is built
+        if not (type(prompt) is int and type(completion) is int and type(cached) is int and type(written) is int
+                and prompt >= 0 and completion >= 0 and cached >= 0 and written >= 0):
+            for name in ("prompt_tokens", "completion_tokens", "cached_tokens", "cache_write_tokens"):
+                value = getattr(self, name)
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if self.cached_tokens + self.cache_write_tokens > self.prompt_tokens:
             raise ValueError(f"cached ({self.cached_tokens}) + written ({self.cache_write_tokens}) tokens "
                              f"exceed the prompt ({self.prompt_tokens})")
@@ -84,10 +89,10 @@ def usage_from_openai(usage: Mapping[str, Any] | None) -> Usage:
     Anthropic-style ``cache_creation_input_tokens`` / ``cache_read_input_tokens`` are read too
     when present (there ``input_tokens`` excludes both). Missing or malformed counts are 0.
     """
-    if not isinstance(usage, Mapping):
+    if type(usage) is not dict and not isinstance(usage, Mapping):  # (a dict: no ABC check)
         return Usage()
     details = usage.get("prompt_tokens_details")
-    cached = _count(details.get("cached_tokens")) if isinstance(details, Mapping) else 0
+    cached = _count(details.get("cached_tokens")) if type(details) is dict or isinstance(details, Mapping) else 0
     if "cache_read_input_tokens" in usage or "cache_creation_input_tokens" in usage:
         read, written = _count(usage.get("cache_read_input_tokens")), _count(usage.get("cache_creation_input_tokens"))
         prompt = _count(usage.get("input_tokens")) + read + written
