@@ -143,3 +143,64 @@ async def test_the_proxy_forgets_the_guards_of_workers_that_left():
         proxy._guard(f"pod-{i}")
         registry.remove(f"pod-{i}")
     assert proxy._guards == {}
+
+
+def _guarded_proxy():
+    from router.routing.balancer import Balancer
+    from router.metrics import RouterMetrics
+    from router.http.proxy import Proxy
+    from router.fleet.connections import WorkerConnections
+    from router.fleet.registry import WorkerRegistry
+
+    return Proxy(Balancer(), WorkerRegistry(Balancer()), RouterMetrics(), WorkerConnections(1.0, 1.0), 1)
+
+
+async def test_an_aborted_worker_ends_its_guarded_attempts_with_a_timeout_error():
+    import asyncio
+
+    proxy = _guarded_proxy()
+    guard = proxy._guard("w1")
+    entered = asyncio.Event()
+
+    async def attempt() -> None:
+        async with guard:
+            entered.set()
+            await asyncio.sleep(30)
+
+    task = asyncio.ensure_future(attempt())
+    await entered.wait()
+    assert proxy.abort_worker("w1") == 1 and not guard.expired()  # cancelled in the next turn
+    with pytest.raises(TimeoutError):
+        await task
+    assert guard.expired() and proxy.abort_worker("w1") == 0 and task.cancelling() == 0
+
+
+async def test_a_client_disconnect_during_an_abort_stays_a_cancellation():
+    # the request's own cancellation (its client went away) must not turn into a retryable timeout
+    import asyncio
+
+    proxy = _guarded_proxy()
+    entered = asyncio.Event()
+
+    async def attempt() -> None:
+        async with proxy._guard("w1"):
+            entered.set()
+            await asyncio.sleep(30)
+
+    task = asyncio.ensure_future(attempt())
+    await entered.wait()
+    proxy.abort_worker("w1")
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_a_guard_left_before_its_abort_lands_is_not_cancelled():
+    import asyncio
+
+    proxy = _guarded_proxy()
+    guard = proxy._guard("w1")
+    async with guard:
+        assert proxy.abort_worker("w1") == 1
+    await asyncio.sleep(0.01)  # the turn in which the abort would have landed
+    assert not guard.expired() and asyncio.current_task().cancelling() == 0
