@@ -105,12 +105,12 @@ async def read_limited_body(content_length: int | None, content: BodyStream, lim
     if content_length is not None and content_length > limit:
         raise body_too_large(limit)
     books = BodyBytes.for_loop(limit)
-    check = StructureCheck(limits, content_length) if limits is not None else None
     is_eof = getattr(content, "is_eof", None)
     if is_eof is not None and is_eof():
         # All of it arrived already (a small body comes with the headers): the same checks,
         # without a deadline, an iterator and a closure for every request.
-        return _whole_body(content.read_nowait(-1), limit, books, check)  # type: ignore[attr-defined]
+        return _whole_body(content.read_nowait(-1), limit, books, limits, content_length)  # type: ignore[attr-defined]
+    check = StructureCheck(limits, content_length) if limits is not None else None
     buf = Body()
     # The first BUFFER_FROM bytes are kept as the chunks they arrived in (no copy: a hostile body
     # is refused within them holding nothing else); a body that goes on is moved into ``buf``.
@@ -153,20 +153,25 @@ async def read_limited_body(content_length: int | None, content: BodyStream, lim
     return buf
 
 
-def _whole_body(data: bytes, limit: int, books: BodyBytes, check: "StructureCheck | None") -> Body:
+def _whole_body(data: bytes, limit: int, books: BodyBytes, limits: "RequestLimits | None",
+                declared_size: int | None) -> Body:
     """:func:`read_limited_body` of a body received whole: over ``limit`` a 413, over the bytes
-    being received together a 503, over the structure limits a 400 (before it is copied)."""
+    being received together a 503, over the structure limits a 400 (before it is copied). The
+    exact :class:`StructureCheck` runs only for a body its byte counts do not clear."""
     if len(data) > limit:
         raise body_too_large(limit)
     if books.held + len(data) > books.cap:
         raise _server_busy(books.cap)
-    if check is not None:
-        budget = min(check.max_budget, check.limits.node_budget(len(data)))
-        if not within_by_counts(data, check.limits.max_depth, budget):
+    if limits is not None:
+        # StructureCheck's max_budget, then the budget of the actual size
+        budget = min(limits.node_budget(limits.max_body_bytes if declared_size is None else declared_size),
+                     limits.node_budget(len(data)))
+        if not within_by_counts(data, limits.max_depth, budget):
+            check = StructureCheck(limits, declared_size)
             check.feed(data)
             check.finish()
     buf = Body(data)
-    buf.structure_checked = check is not None
+    buf.structure_checked = limits is not None
     return buf
 
 
