@@ -8,13 +8,15 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import dataclass, field
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from protocol import LoadReport
 from router.routing.prompt import prompt_key
-from tests.integration.router_harness import USAGE, running_router, scripted_workers, wait_until
+from tests.integration.router_harness import USAGE, ScriptedWorker, running_router, scripted_workers, wait_until
 
 PROMPT = "Summarise the following contract. " * 20
 BODY = {"model": "m", "prompt": PROMPT, "max_tokens": 2}
@@ -54,6 +56,36 @@ async def test_streamed_events_reach_the_client_before_the_worker_has_finished()
         await wait_until(lambda: ctx.balancer.tokens_per_byte("m") != ctx.config.tokens_per_byte,
                          what="feedback from the usage chunk")
         assert ctx.balancer.tokens_per_byte("m") == pytest.approx(40 / len(PROMPT))
+
+
+@dataclass
+class PeerWorker(ScriptedWorker):
+    """A scripted worker that notes the address each request came from."""
+
+    peers: set = field(default_factory=set)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        self.peers.add(request.transport.get_extra_info("peername"))
+        return await super()._completions(request)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_answers_one_after_another_reuse_one_connection_to_the_worker(stream):
+    """A stream ends for the client at ``data: [DONE]``; the worker's end of the body follows, and
+    the connection goes back to the pool all the same (router/fleet/upstream.py)."""
+    async with scripted_workers("w1", kind=PeerWorker) as (worker,), \
+            running_router("--worker", worker.url) as (ctx, url):
+        await _ready(ctx, 1)
+        async with aiohttp.ClientSession() as http:
+            for _ in range(5):
+                async with http.post(url + "/v1/completions", json={**BODY, "stream": stream}) as resp:
+                    assert resp.status == 200
+                    if stream:
+                        assert (await resp.read()).endswith(b"data: [DONE]\n\n")
+                    else:
+                        assert json.loads(await resp.read())["choices"]
+                await wait_until(lambda: ctx.proxy.connections.upstream._idle, what="the connection back in the pool")
+        assert len(worker.bodies) == 5 and len(worker.peers) == 1
 
 
 async def test_a_client_that_asked_for_usage_gets_the_usage_chunk():
