@@ -8,11 +8,13 @@ import asyncio
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from router.fleet.health import refused
 from router.fleet.upstream import HIGH_WATER, REUSE_RACE_S, UpstreamPool, UpstreamProtocolError
+from router.http.proxy import release_after_end
 from tests.integration.router_harness import wait_until
-from tests.support import free_port
+from tests.support import completions_server, free_port
 
 CHUNKED = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
            b"f\r\ndata: {\"a\":1}\n\n\r\n"
@@ -346,10 +348,6 @@ async def test_a_stream_released_at_its_done_event_is_pooled_when_its_end_follow
 @pytest.mark.parametrize("end_after_s, connections", [(0.05, 1), (None, 2)])
 async def test_an_aiohttp_stream_released_at_its_done_event_is_pooled_when_its_end_follows(end_after_s, connections):
     """The same for ``https://`` workers, whose answers are aiohttp's (router/http/proxy.py)."""
-    from aiohttp import web
-
-    from router.http.proxy import release_after_end
-
     peers: set = set()
     ended = asyncio.Event()
 
@@ -365,24 +363,16 @@ async def test_an_aiohttp_stream_released_at_its_done_event_is_pooled_when_its_e
         await response.write_eof()
         return response
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", stream)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1/completions"
-    try:
-        async with aiohttp.ClientSession() as session:
+    async with completions_server(stream) as url, aiohttp.ClientSession() as session:
+        try:
             for _ in range(2):
-                response = await session.post(url, data=b"{}")
+                response = await session.post(url + "/v1/completions", data=b"{}")
                 assert await response.content.readany() == b"data: [DONE]\n\n"
                 release_after_end(response, grace_s=5.0 if end_after_s is not None else 0.3)
                 await wait_until(lambda: response.closed or response.connection is None, what="released or closed")
             assert len(peers) == connections
-    finally:
-        ended.set()
-        await runner.cleanup()
+        finally:
+            ended.set()
 
 
 async def test_the_read_timeout_counts_from_the_last_bytes_on_a_reused_connection_too():
