@@ -18,7 +18,9 @@ Behaviours kept from aiohttp's server: a client that disconnects cancels its han
 with a 75 s idle timeout and TCP keep-alive probes; ``Connection: close`` honoured; pipelined
 requests answered in order; back-pressure on answers to slow readers; streams written chunked as
 they arrive; ``Date`` and ``Server`` headers; ``on_response_prepare`` signals. ``--no-fast-front``
-serves the port with aiohttp alone.
+serves the port with aiohttp alone. One task serves a connection's requests in turn (idle, it
+waits for the next), not one task a request; whole answers are :class:`FastResponse`, not
+aiohttp's ``web.Response``.
 """
 from __future__ import annotations
 
@@ -288,7 +290,14 @@ class FrontProtocol(asyncio.Protocol):
         self.front = front
         self.transport: asyncio.Transport | None = None
         self.buffer = b""
-        self.task: asyncio.Task | None = None
+        self.task: asyncio.Task | None = None  # serving a request (None: idle)
+        # One task serves the connection's requests one after another (a task a request cost its
+        # creation and the loop's WeakSet of tasks, twice): idle, it waits on ``_waiter`` for the
+        # next request. A request already in the buffer when one ends (pipelined) gets a new task,
+        # as before, so that nothing left of one request's handler (a pending cancellation) meets
+        # the next.
+        self._runner: asyncio.Task | None = None
+        self._waiter: asyncio.Future | None = None
         self.paused = False  # the client reads slower than we write
         self.reading_paused = False
         self.closing = False
@@ -326,8 +335,8 @@ class FrontProtocol(asyncio.Protocol):
         self.front.connections.discard(self)
         self._cancel_timer()
         self._cancel_keepalive()
-        if self.task is not None:
-            self.task.cancel()  # the client went away: its handler stops (as aiohttp's handler_cancellation)
+        if self._runner is not None:
+            self._runner.cancel()  # the client went away: its handler stops (as aiohttp's handler_cancellation)
         self._wake(ConnectionResetError("Connection lost"))
 
     def pause_writing(self) -> None:
@@ -430,11 +439,19 @@ class FrontProtocol(asyncio.Protocol):
         self.buffer = buffer[start + length:]
         request = FastRequest(self.front.app, parsed[0], headers, body, keep_alive, self)
         self.front.requests += 1
-        self.task = asyncio.get_running_loop().create_task(self._serve(request, handler))
+        waiter = self._waiter
+        if waiter is not None:  # the connection's task, idle: it serves this one
+            self._waiter = None
+            self.task = self._runner
+            waiter.set_result((request, handler))
+        else:
+            self.task = self._runner = asyncio.get_running_loop().create_task(self._run(request, handler))
 
     def _handover(self) -> None:
         """aiohttp takes this connection, with every byte not yet used (from the current
         request's first byte on)."""
+        if self._runner is not None and self.task is None:  # idle: its task has no more to serve
+            self._runner.cancel()
         self._cancel_timer()
         self._cancel_keepalive()
         self._waiting_body = False
@@ -455,7 +472,23 @@ class FrontProtocol(asyncio.Protocol):
             handler.data_received(data)
         self.transport = None
 
-    async def _serve(self, request: FastRequest, handler: Handler) -> None:
+    async def _run(self, request: FastRequest, handler: Handler) -> None:
+        """Serve ``request``, then the connection's next ones while they come in separately."""
+        runner = self._runner
+        try:
+            while await self._serve(request, handler):
+                if self.buffer:  # pipelined (or a head in part): a task of its own, as before
+                    self._runner = None
+                    self._next()
+                    return
+                waiter = self._waiter = asyncio.get_running_loop().create_future()
+                request, handler = await waiter
+        finally:
+            if self._runner is runner:
+                self._runner = self._waiter = None
+
+    async def _serve(self, request: FastRequest, handler: Handler) -> bool:
+        """Answer ``request``; whether the connection is idle and open for the next one."""
         keep_alive = request.keep_alive
         try:
             response = await handler(request)
@@ -483,15 +516,15 @@ class FrontProtocol(asyncio.Protocol):
                     pass
         self.task = None
         if self.lost:
-            return
+            return False
         if not keep_alive or self.closing:
             self.close()
-            return
+            return False
         if self.reading_paused:
             self.reading_paused = False
             self.transport.resume_reading()  # type: ignore[union-attr]
         self._idle()
-        self._next()
+        return True
 
     async def _answer(self, request: FastRequest, response: web.StreamResponse) -> bool:
         """Write a whole (not streamed) response as aiohttp would; whether to keep the connection."""
