@@ -439,12 +439,11 @@ class FrontProtocol(asyncio.Protocol):
         self.buffer = buffer[start + length:]
         request = FastRequest(self.front.app, parsed[0], headers, body, keep_alive, self)
         self.front.requests += 1
-        waiter = self._waiter
-        if waiter is not None:  # the connection's task, idle: it serves this one
-            self._waiter = None
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():  # the connection's task, idle: it serves this one
             self.task = self._runner
             waiter.set_result((request, handler))
-        else:
+        else:  # (a waiter done: its task was cancelled while idle and is ending)
             self.task = self._runner = asyncio.get_running_loop().create_task(self._run(request, handler))
 
     def _handover(self) -> None:
