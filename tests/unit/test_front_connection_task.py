@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from router.http.front import FastResponse, FrontProtocol
+from router.http.front import FastResponse, FrontProtocol, HeadShapes
 
 
 class _Transport:
@@ -44,6 +44,7 @@ class _Front:
             return FastResponse(b"{}", 200, {"Content-Type": "application/json"})
 
         self.handlers = {"/v1/completions": handler}
+        self.heads = HeadShapes(self.handlers)
 
 
 def _request() -> bytes:
