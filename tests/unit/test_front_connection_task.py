@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 
-from router.http.front import FastResponse, FrontProtocol, HeadShapes
+from router.http.fast_head import HeadShapes
+from router.http.front import FastResponse, FrontProtocol
 
 
 class _Transport:

@@ -1,11 +1,11 @@
-"""``router/http/front.py``'s ``HeadShapes``: a head parsed by its remembered shape gets exactly
-``_parse_head``'s answer -- the same path, headers in the same order, length and keep-alive, or
+"""``router/http/fast_head.py``'s ``HeadShapes``: a head parsed by its remembered shape gets exactly
+``parse_head``'s answer -- the same path, headers in the same order, length and keep-alive, or
 the same refusal -- whatever its ``Content-Length`` digits (too many, too large, zero-padded)."""
 from __future__ import annotations
 
 import random
 
-from router.http.front import MAX_FAST_BODY, HeadShapes, _parse_head
+from router.http.fast_head import MAX_FAST_BODY, HeadShapes, parse_head
 
 PATHS = {"/v1/completions": 1, "/v1/chat/completions": 2}
 USUAL = ["Content-Type: application/json", "User-Agent: a", "Accept: */*", "X-Request-Id: abc",
@@ -39,13 +39,13 @@ def _plain(parsed: tuple | None) -> tuple | None:
     return None if parsed is None else (parsed[0], list(parsed[1].items()), parsed[2], parsed[3])
 
 
-def test_a_head_parsed_by_its_shape_gets_parse_head_s_answer_whatever_its_length():
+def test_a_head_parsed_by_its_shape_getsparse_head_s_answer_whatever_its_length():
     rng = random.Random(18)
     shapes = HeadShapes(PATHS)
     fast = 0
     for head in rng.choices(_heads(rng, 200), k=20_000):
         head = _with_length(head, rng.choice(DIGITS))
-        expected = _parse_head(head, PATHS)
+        expected = parse_head(head, PATHS)
         assert _plain(shapes.parse(head)) == _plain(expected), head
         fast += expected is not None
     assert fast > 5_000  # most were served from a shape (not only refusals compared)
@@ -55,4 +55,4 @@ def test_a_head_whose_length_is_spelt_otherwise_is_parsed_in_full():
     shapes = HeadShapes(PATHS)
     for length in (b"Content-Length:  5", b"content-length: 5", b"Content-Length: 5 ", b"Content-Length: +5"):
         head = b"POST /v1/completions HTTP/1.1\r\nHost: r\r\n" + length
-        assert _plain(shapes.parse(head)) == _plain(_parse_head(head, PATHS))
+        assert _plain(shapes.parse(head)) == _plain(parse_head(head, PATHS))
