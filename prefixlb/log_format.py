@@ -21,14 +21,16 @@ LOG_FORMATS = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 _PAIR = re.compile(r"(?:^|(?<=\s))([a-z_][a-z0-9_]*)=(\S*)")
 _NUMBER = re.compile(r"^-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?$")
+_NUMBER_START = "-0123456789"
 _RESERVED = frozenset({"time", "level", "logger", "message", "exception"})
+_JSON = json.JSONEncoder(ensure_ascii=False, default=str)  # json.dumps(..., ensure_ascii=False, default=str)
 
 
 def _value(text: str) -> Any:
     if text == "-":
         return None
-    if _NUMBER.match(text):
-        return float(text) if any(c in text for c in ".eE") else int(text)
+    if text[:1] in _NUMBER_START and _NUMBER.match(text):  # (most values start with neither)
+        return float(text) if "." in text or "e" in text or "E" in text else int(text)
     return text
 
 
@@ -41,14 +43,17 @@ class JSONFormatter(logging.Formatter):
     """One JSON object per record (see the module docstring)."""
 
     def format(self, record: logging.LogRecord) -> str:
-        message = record.getMessage()
+        return self.line(record.created, record.levelname, record.name, record.getMessage(),
+                         self.formatException(record.exc_info) if record.exc_info else None)
+
+    def line(self, created: float, levelname: str, name: str, message: str, exception: str | None = None) -> str:
+        """A record's line from its parts (``format``'s, and :func:`log_info`'s without a record)."""
         out: dict[str, Any] = {
-            "time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
-            "level": record.levelname.lower(), "logger": record.name, "message": message,
-            **message_fields(message)}
-        if record.exc_info:
-            out["exception"] = self.formatException(record.exc_info)
-        return json.dumps(out, ensure_ascii=False, default=str)
+            "time": datetime.fromtimestamp(created, timezone.utc).isoformat(timespec="milliseconds"),
+            "level": levelname.lower(), "logger": name, "message": message, **message_fields(message)}
+        if exception is not None:
+            out["exception"] = exception
+        return _JSON.encode(out)
 
 
 class TextFormatter(logging.Formatter):
@@ -62,11 +67,16 @@ class TextFormatter(logging.Formatter):
         self._text = ""
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802 - logging's name
-        second = int(record.created)
+        return self.asctime(record.created, record.msecs)
+
+    def asctime(self, created: float, msecs: float) -> str:
+        """``asctime`` of a record created at ``created`` (``msecs``: its milliseconds, as a
+        ``LogRecord`` counts them)."""
+        second = int(created)
         if second != self._second:
-            self._text = time.strftime(self.default_time_format, self.converter(record.created))
+            self._text = time.strftime(self.default_time_format, self.converter(created))
             self._second = second
-        return self.default_msec_format % (self._text, record.msecs)
+        return self.default_msec_format % (self._text, msecs)
 
 
 def configure_logging(level: str, log_format: str) -> None:
@@ -78,3 +88,62 @@ def configure_logging(level: str, log_format: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JSONFormatter() if log_format == "json" else TextFormatter())
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+
+
+def log_info(logger: logging.Logger, msg: str, *args: object) -> None:
+    """``logger.info(msg, *args)``: the same line, on the same stream, under the same lock. When
+    the process logs as :func:`configure_logging` set it up (one standard ``StreamHandler`` on the
+    root with a formatter of ours, and nothing else on the way: no filter, no other handler, no
+    logger or record class of someone else's) the line is written without a ``LogRecord`` and the
+    handler chain (the access log writes one a request); otherwise, or when the message does not
+    format, by ``logger.info`` itself. A failed write is reported as the handler reports it."""
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    handler = _direct_handler(logger)
+    if handler is None or len(args) == 1:  # (one argument may be a mapping, which logging treats apart)
+        logger.info(msg, *args)
+        return
+    created = time.time()
+    formatter = handler.formatter
+    try:
+        message = msg % args if args else msg
+        level = logging.getLevelName(logging.INFO)
+        if type(formatter) is TextFormatter:
+            # TEXT_FORMAT, as logging.Formatter fills it in; msecs as LogRecord counts them
+            msecs = int((created - int(created)) * 1000) + 0.0
+            line = f"{formatter.asctime(created, msecs)} {level} {logger.name} {message}"
+        else:
+            line = formatter.line(created, level, logger.name, message)  # type: ignore[union-attr]
+    except Exception:  # noqa: BLE001 - a message that does not format: logging's own path reports it
+        logger.info(msg, *args)
+        return
+    handler.acquire()
+    try:
+        handler.stream.write(line + handler.terminator)  # as StreamHandler.emit
+        handler.flush()
+    except RecursionError:
+        raise
+    except Exception:  # noqa: BLE001 - as StreamHandler.emit
+        handler.handleError(logger.makeRecord(logger.name, logging.INFO, "(unknown file)", 0, msg, args, None))
+    finally:
+        handler.release()
+
+
+def _direct_handler(logger: logging.Logger) -> logging.StreamHandler | None:
+    """The one handler a record of ``logger`` at INFO would reach, when :func:`log_info` can write
+    its line itself (see there); else None."""
+    if type(logger) is not logging.Logger or logger.filters or logger.disabled \
+            or logging.getLogRecordFactory() is not logging.LogRecord:
+        return None
+    c = logger
+    while c.parent is not None:
+        if c.handlers or not c.propagate:
+            return None
+        c = c.parent
+    if len(c.handlers) != 1:
+        return None
+    handler = c.handlers[0]
+    if type(handler) is not logging.StreamHandler or handler.filters or handler.level > logging.INFO \
+            or type(handler.formatter) not in (TextFormatter, JSONFormatter):
+        return None
+    return handler

@@ -28,6 +28,7 @@ from protocol.http_errors import error_middleware
 from protocol.openai_api import OpenAIError, RequestLimits, bad_request, model_not_found, parse_request
 from protocol.openai_body import decode_off_loop, read_limited_body
 from protocol.version import version
+from prefixlb.log_format import log_info
 from router.context import RouterContext
 from router.cost.ledger import tenant_of
 from router.http.siblings import merge_metrics
@@ -206,12 +207,12 @@ def _access(ctx: RouterContext, preq: ProxyRequest, model: str, label: str, stat
     if not access_log.isEnabledFor(logging.INFO):
         return
     usage = usage_numbers(a.booking.usage) if a.booking is not None else None
-    access_log.info("event=access request_id=%s model=%s path=%s stream=%s status=%d worker=%s reason=%s "
-                    "attempts=%d ttfb_ms=%s duration_ms=%.1f prompt_tokens=%s cached_tokens=%s "
-                    "predicted_cached_tokens=%d", preq.request_id, model, preq.path, preq.stream, status, a.worker,
-                    a.reason, a.attempts, "-" if a.ttfb_s is None else f"{1000 * a.ttfb_s:.1f}", 1000 * duration_s,
-                    usage[0] if usage else "-", usage[1] if usage and usage[1] is not None else "-",
-                    a.predicted_cached_tokens)
+    log_info(access_log, "event=access request_id=%s model=%s path=%s stream=%s status=%d worker=%s reason=%s "
+             "attempts=%d ttfb_ms=%s duration_ms=%.1f prompt_tokens=%s cached_tokens=%s "
+             "predicted_cached_tokens=%d", preq.request_id, model, preq.path, preq.stream, status, a.worker,
+             a.reason, a.attempts, "-" if a.ttfb_s is None else f"{1000 * a.ttfb_s:.1f}", 1000 * duration_s,
+             usage[0] if usage else "-", usage[1] if usage and usage[1] is not None else "-",
+             a.predicted_cached_tokens)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

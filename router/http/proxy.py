@@ -57,7 +57,7 @@ from router.routing.policy import Decision, NoCapacity
 from router.routing.prompt import PromptKey
 from router.fleet.registry import WorkerRegistry
 from router.http.booking import BookedAttempt, book
-from router.http.front import stream_response
+from router.http.front import stream_response, whole_response
 from router.http.sse import EventTooLarge, UsageTap
 
 __all__ = ["Proxy", "ProxyRequest", "AccessRecord", "Overloaded", "RETRY_AFTER_S", "HEADER_WORKER",
@@ -300,7 +300,8 @@ class Proxy:
                     access.ttfb_s, access.booking = loop.time() - arrived, booking
                     if preq.stream and upstream.status == 200:
                         return await self._stream(request, preq, booking, upstream, first)
-                    response = self._complete(booking, upstream, first, preq.request_id, preq.response_headers)
+                    response = self._complete(request, booking, upstream, first, preq.request_id,
+                                              preq.response_headers)
                     booking.release_after_answer()
                     return response
             self._attempt_failed(worker_id, failure, attempts)
@@ -404,15 +405,15 @@ class Proxy:
         headers[HEADER_REASON] = d.reason
         return headers
 
-    def _complete(self, booking: BookedAttempt, upstream: aiohttp.ClientResponse, data: bytes,
-                  request_id: str = "", extra_headers: Mapping[str, str] | None = None) -> web.Response:
+    def _complete(self, request: web.Request, booking: BookedAttempt, upstream: aiohttp.ClientResponse,
+                  data: bytes, request_id: str = "", extra_headers: Mapping[str, str] | None = None) -> web.Response:
         try:
             booking.first_byte()
             if upstream.status == 200:
                 booking.answered(data)
                 self.registry.request_ok(booking.decision.worker_id, time.time())
-            return web.Response(body=data, status=upstream.status,
-                                headers=self._headers(booking, upstream, request_id, extra_headers))
+            return whole_response(request, data, upstream.status,
+                                  self._headers(booking, upstream, request_id, extra_headers))
         finally:
             upstream.release()
 

@@ -35,7 +35,7 @@ from router.virtual_models.classifier import RouteClassifier, resolve_route
 from router.virtual_models.config import CascadeModel, RouteModel
 from router.virtual_models.judges.build import JudgeRuntime
 from router.virtual_models.stream import sse_events
-from router.http.front import stream_response
+from router.http.front import WHOLE_RESPONSES, stream_response
 
 HEADER_VIRTUAL = "X-Prefixlb-Virtual-Model"
 HEADER_ANSWERED_BY = "X-Prefixlb-Answered-By"
@@ -97,7 +97,7 @@ async def _serve_route(request: web.Request, ctx: RouterContext, vm: RouteModel,
     response = await forward(body, chat, parsed.stream, parsed.include_usage, headers)
     if response.status == 200:
         ctx.virtual_metrics.answered.labels(vm.name, decision.model).inc()
-        if isinstance(response, web.Response):  # a whole answer, not yet sent: its cost can still be a header
+        if isinstance(response, WHOLE_RESPONSES):  # a whole answer, not yet sent: its cost can still be a header
             cost = _answer_cost(ctx, decision.model, response.body)
             if cost is not None:
                 response.headers[HEADER_COST] = f"{cost:.9f}"
@@ -141,7 +141,7 @@ def stage_sender(ctx: RouterContext, forward: Forward) -> Callable[[str, dict], 
             response = await forward(body, "messages" in body, False, False, {})
         except OpenAIError as exc:
             raise StageError(exc.message, exc.status, exc.status >= 500, exc.body()) from None
-        raw = response.body if isinstance(response, web.Response) else None
+        raw = response.body if isinstance(response, WHOLE_RESPONSES) else None
         try:
             data = untrusted_json.loads(raw) if isinstance(raw, (bytes, bytearray)) else None
         except ValueError:

@@ -91,6 +91,34 @@ async def test_a_keep_alive_connection_serves_fast_requests_then_hands_over_at_a
     writer.close()
 
 
+def _connection_tasks() -> list[asyncio.Task]:
+    return [t for t in asyncio.all_tasks() if t.get_coro().__qualname__ == "FrontProtocol._run"]
+
+
+async def test_a_connection_s_requests_one_after_another_are_served_by_one_task_that_ends_with_it(router):
+    # one task a connection, not one a request (issue 18); idle between requests, it must still
+    # end when the client goes away or aiohttp takes the connection, or every connection leaks one
+    ctx, worker, host, port = router
+    reader, writer = await asyncio.open_connection(host, port)
+    tasks = []
+    for _ in range(3):
+        writer.write(post("/v1/completions", BODY))
+        assert (await read_response(reader))[0] == 200
+        tasks.append(_connection_tasks())
+    assert len(tasks[0]) == 1 and tasks[0] == tasks[1] == tasks[2]
+    writer.close()
+    await wait_until(lambda: not _connection_tasks(), what="the connection's task ended")
+
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(post("/v1/completions", BODY))
+    assert (await read_response(reader))[0] == 200
+    writer.write(b"GET /v1/models HTTP/1.1\r\nHost: router\r\n\r\n")  # aiohttp's from here
+    assert (await read_response(reader))[0] == 200
+    await wait_until(lambda: not _connection_tasks(), what="the handed-over connection's task ended")
+    assert ctx.front.handed_over == 1
+    writer.close()
+
+
 async def test_pipelined_requests_are_answered_in_order(router):
     ctx, worker, host, port = router
     reader, writer = await asyncio.open_connection(host, port)
