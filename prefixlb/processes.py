@@ -161,7 +161,7 @@ def child_main(control_dir: str, index: int) -> int:
     """One router process: the supervisor's settings, the shared ports, its control socket."""
     from prefixlb.aio import run as run_loop
     from prefixlb.commands.router import settings_errors
-    from prefixlb.log_format import configure_logging
+    from protocol.log_format import configure_logging
     from router.app import serve
     from router.http.siblings import ProcessSlot
 

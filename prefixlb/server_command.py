@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Coroutine
 
 from prefixlb.aio import run as run_loop
-from prefixlb.log_format import configure_logging
+from protocol.log_format import configure_logging
 from protocol.settings import SettingsError, build_parser, load_settings
 
 Serve = Callable[[Any], Coroutine[Any, Any, int]]

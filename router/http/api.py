@@ -27,8 +27,8 @@ from protocol.api_keys import api_key_middleware, bearer_token
 from protocol.http_errors import error_middleware
 from protocol.openai_api import OpenAIError, RequestLimits, bad_request, model_not_found, parse_request
 from protocol.openai_body import decode_off_loop, read_limited_body
+from protocol.log_format import log_info
 from protocol.version import version
-from prefixlb.log_format import log_info
 from router.context import RouterContext
 from router.cost.ledger import tenant_of
 from router.http.siblings import merge_metrics

@@ -1,4 +1,4 @@
-"""``prefixlb/log_format.py``'s ``log_info``: the line it writes without a ``LogRecord`` is the line
+"""``protocol/log_format.py``'s ``log_info``: the line it writes without a ``LogRecord`` is the line
 ``logger.info`` writes through logging, byte for byte, in both formats; any other logging set-up
 gets logging's own path."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from prefixlb.log_format import JSONFormatter, TextFormatter, _direct_handler, log_info
+from protocol.log_format import JSONFormatter, TextFormatter, _direct_handler, log_info
 
 ACCESS = ("event=access request_id=%s model=%s path=%s stream=%s status=%d worker=%s reason=%s attempts=%d "
           "ttfb_ms=%s duration_ms=%.1f prompt_tokens=%s cached_tokens=%s predicted_cached_tokens=%d")

@@ -1,11 +1,11 @@
-"""``prefixlb/log_format.py``'s text lines: the time formatted once per second reads exactly as
+"""``protocol/log_format.py``'s text lines: the time formatted once per second reads exactly as
 ``logging.Formatter``'s own."""
 from __future__ import annotations
 
 import logging
 import random
 
-from prefixlb.log_format import TEXT_FORMAT, TextFormatter
+from protocol.log_format import TEXT_FORMAT, TextFormatter
 
 
 def test_text_lines_are_logging_s_own_whatever_the_times_and_their_order():
