@@ -13,10 +13,15 @@ import json
 from typing import Any
 
 
+_DECODER = json.JSONDecoder()
+
+
 def loads(data: str | bytes | bytearray) -> Any:
     """``json.loads(data)``; JSON nested too deeply to parse raises :class:`json.JSONDecodeError`
     (a ``ValueError``), as malformed JSON does."""
     try:
+        if len(data) >= 2 and data[0] == 0x7B and data[1]:  # bytes of an object: UTF-8, as json.loads' detect_encoding
+            return _DECODER.decode(data.decode("utf-8", "surrogatepass"))  # type: ignore[union-attr]
         return json.loads(data)
     except RecursionError:
         raise json.JSONDecodeError("JSON nested too deeply to parse", "", 0) from None

@@ -61,6 +61,10 @@ class UpstreamProtocolError(aiohttp.ClientError):
     """The worker's answer is not well-formed HTTP/1.x."""
 
 
+class ClosedUnanswered(aiohttp.ServerDisconnectedError):
+    """The worker closed the connection before a byte of its answer (see UpstreamPool.post)."""
+
+
 class _Connection(asyncio.Protocol):
     """One pooled connection; feeds the response being received, if any."""
 
@@ -319,8 +323,7 @@ class UpstreamResponse:
             self._state = _DONE
         elif self._state != _DONE and self._exc is None:
             if not self._head_done:
-                error: BaseException = aiohttp.ServerDisconnectedError()
-                error.nothing_received = not self._received  # type: ignore[attr-defined]  # (UpstreamPool.post)
+                error: BaseException = aiohttp.ServerDisconnectedError() if self._received else ClosedUnanswered()
             else:
                 error = aiohttp.ClientPayloadError("Response payload is not completed")
             if exc is not None:
@@ -423,12 +426,13 @@ class UpstreamResponse:
         within ``grace_s`` (a worker sends it at once), or is dropped then."""
         if self._finished or self._draining:
             return
-        if self._state == _DONE or self._exc is not None or self._conn.lost or not self._keep_alive:
-            self.release()  # ended already (the usual case), or never to be reused: at once
+        if not self._keep_alive:
+            self.release()  # never to be reused: closed at once
             return
         self._draining = True
-        self._drain_timer = self._loop.call_later(grace_s, self._drain_expired)
-        self._drain()
+        self._drain()  # ended already (the usual case): released here
+        if self._draining:  # the end is still to come
+            self._drain_timer = self._loop.call_later(grace_s, self._drain_expired)
 
     def _drain(self) -> None:
         self._chunks.clear()
@@ -529,13 +533,13 @@ class UpstreamPool:
             sent_at = time.monotonic()
             try:
                 return await self._exchange(conn, key, head, body)
-            except aiohttp.ServerDisconnectedError as exc:
+            except ClosedUnanswered:
                 # Closed by the worker as it was reused, at once and before a byte of an answer:
                 # the worker ended an idle keep-alive connection (uvicorn's last 5 s) while this
                 # request was on its way, and never read it. Sent again, once, on a new
                 # connection. A close that comes later may follow a worker that read the
                 # request and worked on it: that is a failure, not sent again here.
-                if not getattr(exc, "nothing_received", False) or time.monotonic() - sent_at > REUSE_RACE_S:
+                if time.monotonic() - sent_at > REUSE_RACE_S:
                     raise
                 self.stale_retries += 1
         return await self._exchange(await self._connect(key), key, head, body)

@@ -15,7 +15,6 @@ by any exit, and nothing else does.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from typing import Any
@@ -98,17 +97,11 @@ class BookedAttempt:
                             "--enable-prompt-tokens-details)", d.worker_id)
 
 
-_DECODER = json.JSONDecoder()
-
-
 def json_usage(data: bytes) -> dict[str, Any] | None:
-    """The ``usage`` object of a JSON answer (as ``untrusted_json.loads(data)`` reads it), or None."""
+    """The ``usage`` object of a JSON answer, or None."""
     try:
-        if len(data) >= 2 and data[0] == 0x7B and data[1]:  # json.loads' detect_encoding would say UTF-8
-            obj = _DECODER.decode(data.decode("utf-8", "surrogatepass"))
-        else:
-            obj = untrusted_json.loads(data)
-    except (ValueError, RecursionError):  # (untrusted_json's: nested too deeply is not JSON either)
+        obj = untrusted_json.loads(data)
+    except ValueError:
         return None
     usage = obj.get("usage") if isinstance(obj, dict) else None
     return usage if isinstance(usage, dict) else None

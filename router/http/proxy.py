@@ -115,7 +115,7 @@ class _Failed(Exception):
         self.kind = kind
 
 
-_ENTERED, _EXPIRING, _EXPIRED, _EXITED = range(4)
+_ACTIVE, _EXPIRING, _EXPIRED = range(3)
 
 
 class _Guard:
@@ -130,7 +130,7 @@ class _Guard:
         self._guards = guards
         self._task: asyncio.Task | None = None
         self._cancelling = 0
-        self._state = _ENTERED
+        self._state = _ACTIVE
         self._handle: asyncio.Handle | None = None
 
     async def __aenter__(self) -> "_Guard":
@@ -154,8 +154,6 @@ class _Guard:
             # cancellation request still pending (the client went away) stays one
             if self._task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError:  # type: ignore[union-attr]
                 raise TimeoutError from exc
-        elif self._state == _ENTERED:
-            self._state = _EXITED
         return None
 
     def expire(self) -> None:
