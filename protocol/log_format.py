@@ -78,6 +78,12 @@ class TextFormatter(logging.Formatter):
             self._second = second
         return self.default_msec_format % (self._text, msecs)
 
+    def line(self, created: float, levelname: str, name: str, message: str) -> str:
+        """A record's line from its parts (:func:`log_info`'s, without a record): ``TEXT_FORMAT``
+        as ``logging.Formatter`` fills it in, msecs as ``LogRecord`` counts them."""
+        msecs = int((created - int(created)) * 1000) + 0.0
+        return f"{self.asctime(created, msecs)} {levelname} {name} {message}"
+
 
 def configure_logging(level: str, log_format: str) -> None:
     """Send the process's logs to stderr at ``level`` in ``log_format`` (text or json)."""
@@ -88,6 +94,9 @@ def configure_logging(level: str, log_format: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JSONFormatter() if log_format == "json" else TextFormatter())
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+
+
+_INFO = logging.getLevelName(logging.INFO)
 
 
 def log_info(logger: logging.Logger, msg: str, *args: object) -> None:
@@ -106,14 +115,7 @@ def log_info(logger: logging.Logger, msg: str, *args: object) -> None:
     created = time.time()
     formatter = handler.formatter
     try:
-        message = msg % args if args else msg
-        level = logging.getLevelName(logging.INFO)
-        if type(formatter) is TextFormatter:
-            # TEXT_FORMAT, as logging.Formatter fills it in; msecs as LogRecord counts them
-            msecs = int((created - int(created)) * 1000) + 0.0
-            line = f"{formatter.asctime(created, msecs)} {level} {logger.name} {message}"
-        else:
-            line = formatter.line(created, level, logger.name, message)  # type: ignore[union-attr]
+        line = formatter.line(created, _INFO, logger.name, msg % args if args else msg)  # type: ignore[union-attr]
     except Exception:  # noqa: BLE001 - a message that does not format: logging's own path reports it
         logger.info(msg, *args)
         return

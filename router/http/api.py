@@ -186,7 +186,7 @@ async def forward(request: web.Request, raw: bytes, body: dict, chat: bool, *, s
         # does not wait for it (its next request arrives in a later turn and finds it counted).
         asyncio.get_running_loop().call_soon(
             _access, ctx, preq, model, model if model in served else "unknown", status,
-            time.perf_counter() - started, tenant_of_request(request, cfg.api_keys, session))
+            time.perf_counter() - started, request, cfg.api_keys, session)
 
 
 def tenant_of_request(request: web.Request, api_keys: Sequence[str], session: str | None) -> str:
@@ -197,12 +197,13 @@ def tenant_of_request(request: web.Request, api_keys: Sequence[str], session: st
 
 
 def _access(ctx: RouterContext, preq: ProxyRequest, model: str, label: str, status: int,
-            duration_s: float, tenant: str) -> None:
+            duration_s: float, request: web.Request, api_keys: Sequence[str], session: str | None) -> None:
     """One access-log line per request, the router's own latency histograms (by model: they
-    hold for every kind of backend, vLLM's included), and the answer's usage in the ledger."""
+    hold for every kind of backend, vLLM's included), and the answer's usage in the ledger
+    (billed to :func:`tenant_of_request`)."""
     a = preq.access
     if status == 200 and a.booking is not None and a.booking.usage is not None:
-        ctx.costs.record(model, tenant, a.booking.usage)
+        ctx.costs.record(model, tenant_of_request(request, api_keys, session), a.booking.usage)
     ctx.metrics.observe_request(label, a.ttfb_s, duration_s)
     if not access_log.isEnabledFor(logging.INFO):
         return

@@ -79,7 +79,7 @@ class HeadShapes:
 
     def __init__(self, paths: Mapping[str, Any]) -> None:
         self.paths = paths
-        self._shapes: dict[tuple[int, bytes], tuple[str, list[tuple[str, str]], int, bool]] = {}
+        self._shapes: dict[bytes, tuple[str, list[tuple[str, str]], int, bool]] = {}
 
     def parse(self, head: bytes) -> tuple[str, CIMultiDictProxy, int, bool] | None:
         at = head.find(b"\r\nContent-Length: ")
@@ -92,7 +92,7 @@ class HeadShapes:
         digits = head[start:end]
         if not digits.isdigit():
             return parse_head(head, self.paths)
-        key = (at, head[:start] + head[end:])
+        key = head[:start] + head[end:]  # (the length's line is where it was: the bytes before it are kept)
         shape = self._shapes.get(key)
         if shape is None:
             parts = head_parts(head, self.paths)
