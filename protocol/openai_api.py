@@ -188,20 +188,25 @@ def _check_unsupported(body: dict) -> None:
         raise bad_request("'logit_bias' is not supported by this server", "logit_bias", "unsupported")
 
 
+def _temperature_top_p(body: dict) -> tuple[float, float]:
+    return _float(body, "temperature", 1.0, 0.0, 2.0), _float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
+
+
 def _sampling(body: dict, limits: RequestLimits, max_tokens: int | None, logprobs: int | None) -> SamplingOptions:
     _check_unsupported(body)
     if _RARE_SAMPLING_FIELDS.isdisjoint(body):
-        return SamplingOptions(max_tokens=max_tokens, temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
-                               top_p=_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True), logprobs=logprobs)
+        temperature, top_p = _temperature_top_p(body)
+        return SamplingOptions(max_tokens=max_tokens, temperature=temperature, top_p=top_p, logprobs=logprobs)
     n = _int(body, "n", 1, 1, limits.max_n)
     best_of = _int(body, "best_of", None, 1, limits.max_n)
     if best_of is not None and best_of != n:
         raise bad_request("'best_of' different from 'n' is not supported", "best_of", "unsupported")
     top_k = _int(body, "top_k", 0, -1, 1 << 20)
+    temperature, top_p = _temperature_top_p(body)  # (after n, best_of and top_k: the errors' order)
     return SamplingOptions(
         max_tokens=max_tokens,
-        temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        temperature=temperature,
+        top_p=top_p,
         top_k=0 if top_k == -1 else top_k,  # vLLM spells "disabled" as -1
         seed=_int(body, "seed", None, INT64_MIN, INT64_MAX),
         stop=_stop(body, limits),
