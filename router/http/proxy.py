@@ -52,7 +52,7 @@ from router.routing.balancer import Balancer
 from router.fleet.connections import WorkerConnections
 from router.fleet.health import refused
 from router.fleet.upstream import UpstreamResponse
-from router.metrics import RouterMetrics
+from router.metrics import RouterMetrics, observe
 from router.routing.policy import Decision, NoCapacity
 from router.routing.prompt import PromptKey
 from router.fleet.registry import WorkerRegistry
@@ -325,7 +325,7 @@ class Proxy:
                 raise
             self.metrics.queue_wait.observe(time.perf_counter() - waited)
             return None
-        self.metrics.decision_seconds.observe(time.perf_counter() - started)
+        observe(self.metrics.decision, time.perf_counter() - started)
         return decision
 
     def _attempt_failed(self, worker_id: str, exc: _Failed, attempt: int) -> None:
