@@ -7,6 +7,7 @@ means the router routes warm), serves until SIGINT/SIGTERM, and shuts down in or
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -142,6 +143,9 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, slot: Pro
                  "process=%s compiled_loops=%s", cfg.host, cfg.port, cfg.admin_port or cfg.port, cfg.policy,
                  cfg.affinity, len(ctx.registry), bool(cfg.redis), f"{slot.index + 1}/{slot.count}" if slot else "1/1",
                  hotloop.hot is not None)
+        # Everything built so far (modules, the app, the fleet) lives as long as the process: the
+        # cyclic GC need not scan it again in each full collection (~3 us a request under load).
+        gc.freeze()
         if ready is not None:
             ready.set()
         await stopping.wait()
