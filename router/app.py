@@ -25,6 +25,7 @@ from router.routing import hotloop
 from router.context import RouterContext, build_context, start, stop
 
 log = logging.getLogger("prefixlb.router")
+YOUNG_GC_THRESHOLD = 5000  # container allocations between the cyclic GC's young collections (Python's: 700)
 
 
 def build_app(ctx: RouterContext) -> web.Application:
@@ -145,7 +146,11 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, slot: Pro
                  hotloop.hot is not None)
         # Everything built so far (modules, the app, the fleet) lives as long as the process: the
         # cyclic GC need not scan it again in each full collection (~3 us a request under load).
+        # And a young collection every 5,000 container allocations, not 700: each scans what is
+        # alive at that moment, mostly requests in flight that die young anyway when it comes
+        # later (GC time 90 -> 30 ms per 16,000 requests at c=32; a young collection ~1 ms).
         gc.freeze()
+        gc.set_threshold(YOUNG_GC_THRESHOLD, *gc.get_threshold()[1:])
         if ready is not None:
             ready.set()
         await stopping.wait()
