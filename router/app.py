@@ -16,7 +16,7 @@ from aiohttp import web
 
 from protocol.http_errors import app_runner, error_middleware
 from router.http.admin import admin_app
-from router.http.api import CONTEXT, add_routes, chat_completions, completions, middlewares, own_metrics
+from router.http.api import CONTEXT, FAST_ROUTES, add_routes, middlewares, own_metrics
 from router.http.front import Front
 from router.http.admission import RETRY_AFTER_S
 from router.http.siblings import HEADER_PROCESS, ProcessSlot, Siblings
@@ -69,7 +69,7 @@ class Listener:
         if fast:
             assert runner.server is not None
             self.front = runner.app[CONTEXT].front = Front(
-                runner.app, runner.server, {"/v1/completions": completions, "/v1/chat/completions": chat_completions})
+                runner.app, runner.server, FAST_ROUTES)
         self._server: asyncio.AbstractServer | None = None
         self._site: web.TCPSite | None = None
 

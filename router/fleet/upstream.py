@@ -390,12 +390,6 @@ class UpstreamResponse:
         else:
             self._conn.wait_timer(self._loop, self._read_deadline)
 
-    async def _start(self) -> None:
-        while not self._head_done:
-            if self._exc is not None:
-                raise self._exc
-            await self._wait()
-
     # -- the body, as the proxy reads it -----------------------------------------------------
     async def readany(self) -> bytes:
         """The body bytes received so far and not read yet (waiting for some); b"" at its end."""
@@ -405,6 +399,20 @@ class UpstreamResponse:
             if self._state == _DONE:
                 return b""
             await self._wait()
+        chunks = self._chunks
+        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self._buffered = 0
+        if self._paused and self._conn.transport is not None:
+            self._paused = False
+            self._conn.transport.resume_reading()
+        return data
+
+    def body_nowait(self, limit: int) -> bytes | None:
+        """The whole body, when all of it is in (and not failed) and it is at most ``limit``
+        bytes: what reading it to its end would give, without waiting. Else None (nothing read)."""
+        if self._state != _DONE or self._exc is not None or self._buffered > limit:
+            return None
         chunks = self._chunks
         data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
         chunks.clear()
@@ -579,7 +587,10 @@ class UpstreamPool:
             else:  # no copy of a large body
                 transport.write(head)
                 transport.write(body)
-            await response._start()
+            while not response._head_done:  # (_start's loop, without its coroutine)
+                if response._exc is not None:
+                    raise response._exc
+                await response._wait()
         except BaseException:
             response.close()
             raise

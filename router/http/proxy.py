@@ -373,8 +373,10 @@ class Proxy:
                 first = await upstream.content.readany()
                 if not first:
                     raise _Failed("disconnected", "stream ended before its first byte")
-            else:
-                first = await _read_capped(upstream.content)
+            else:  # (an answer already in whole: taken without _read_capped's two reads)
+                first = upstream.body_nowait(MAX_RESPONSE_BYTES) if type(upstream) is UpstreamResponse else None
+                if first is None:
+                    first = await _read_capped(upstream.content)
         except asyncio.TimeoutError as exc:
             upstream.close()
             raise _Failed("timeout", "no answer in time") from exc
