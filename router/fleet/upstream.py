@@ -49,6 +49,7 @@ REUSE_RACE_S = 0.25  # a reused connection closed within this of the write, unan
 _STATUS_LINE = re.compile(r"HTTP/1\.([01]) ([1-9][0-9][0-9])(?: [^\r\n]*)?")
 HTTP_TOKEN = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"  # a header name (RFC 9110 token); the front's parser too
 _TOKEN = re.compile(HTTP_TOKEN)
+_STATUS_LINES: dict[str, tuple[str, int]] = {}  # status lines that matched: (HTTP minor version, code)
 # The header lines after the status line, each with its CRLF: valid as a whole (one scan in C),
 # then cut into (name, value) pairs by one findall -- the same pairs as the line-by-line loop
 # gives whenever no value ends with a blank (the loop's strip); otherwise the loop runs.
@@ -280,13 +281,18 @@ class UpstreamResponse:
         text = head.decode("utf-8", "surrogateescape")
         end = text.find("\r\n")
         first = text if end < 0 else text[:end]
-        status = _STATUS_LINE.fullmatch(first)
+        status = _STATUS_LINES.get(first)  # ("HTTP/1.1 200 OK" again and again: matched once)
         if status is None:
-            raise UpstreamProtocolError(f"invalid status line {first[:64]!r}")
+            match = _STATUS_LINE.fullmatch(first)
+            if match is None:
+                raise UpstreamProtocolError(f"invalid status line {first[:64]!r}")
+            if len(_STATUS_LINES) >= 64:
+                _STATUS_LINES.clear()
+            status = _STATUS_LINES[first] = (match.group(1), int(match.group(2)))
+        minor, code = status
         block = "" if end < 0 else text[end + 2:] + "\r\n"
         if block.count("\r\n") > MAX_HEADERS:
             raise UpstreamProtocolError("the worker sent too many headers")
-        code = int(status.group(2))
         if 100 <= code < 200:  # an interim answer (100 Continue, 103): the real one follows
             return
         pairs = wire.header_pairs(block) if wire is not None else None  # (None: the regexes decide)
@@ -305,7 +311,7 @@ class UpstreamResponse:
         self.status = code
         self.headers = CIMultiDictProxy(headers)
         connection = headers.get("Connection", "").lower()
-        if status.group(1) == "0":
+        if minor == "0":
             self._keep_alive = "keep-alive" in connection
         elif "close" in connection:
             self._keep_alive = False
