@@ -134,16 +134,25 @@ class _Guard:
         self._handle: asyncio.Handle | None = None
 
     async def __aenter__(self) -> "_Guard":
+        self.enter()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: Any) -> bool | None:
+        self.leave(exc_type, exc)
+        return None
+
+    def enter(self) -> None:
+        """``async with``'s entry, for a caller that calls :meth:`leave` itself (no coroutines)."""
         task = asyncio.current_task()
         if task is None:
             raise RuntimeError("Timeout should be used inside a task")
         self._task = task
         self._cancelling = task.cancelling()
         self._guards.add(self)
-        return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: Any) -> bool | None:
+    def leave(self, exc_type: type[BaseException] | None, exc: BaseException | None) -> None:
+        """``async with``'s exit: raises the TimeoutError an expiry turns its cancellation into."""
         self._guards.discard(self)
         if self._handle is not None:
             self._handle.cancel()
@@ -154,7 +163,6 @@ class _Guard:
             # cancellation request still pending (the client went away) stays one
             if self._task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError:  # type: ignore[union-attr]
                 raise TimeoutError from exc
-        return None
 
     def expire(self) -> None:
         """End the guarded block: its task is cancelled in the loop's next turn."""
@@ -350,8 +358,14 @@ class Proxy:
             raise _Failed("unknown", "worker left the registry")
         guard = self._guard(worker_id)
         try:
-            async with guard:
-                return await self._send(url, preq)
+            guard.enter()  # (async with guard, without its two coroutines)
+            try:
+                sent = await self._send(url, preq)
+            except BaseException as exc:
+                guard.leave(type(exc), exc)
+                raise
+            guard.leave(None, None)
+            return sent
         except TimeoutError:
             if not guard.expired():
                 raise
