@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Collection, Protocol, TypeVar
 
 from protocol.openai_errors import OpenAIError, bad_request, body_too_large
+from protocol.untrusted_json import scan_whole
 
 T = TypeVar("T")
 
@@ -228,7 +229,7 @@ _DECODER = json.JSONDecoder(parse_constant=_reject_constant)
 def _loads(text: str) -> Any:
     if text.startswith("\ufeff"):
         raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)
-    return _DECODER.decode(text)
+    return scan_whole(_DECODER, text)
 
 
 def parse_json_body(raw: bytes | bytearray, limits: RequestLimits = DEFAULT_LIMITS) -> dict[str, Any]:

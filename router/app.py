@@ -7,6 +7,7 @@ means the router routes warm), serves until SIGINT/SIGTERM, and shuts down in or
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -15,7 +16,7 @@ from aiohttp import web
 
 from protocol.http_errors import app_runner, error_middleware
 from router.http.admin import admin_app
-from router.http.api import CONTEXT, add_routes, chat_completions, completions, middlewares, own_metrics
+from router.http.api import CONTEXT, FAST_ROUTES, add_routes, middlewares, own_metrics
 from router.http.front import Front
 from router.http.admission import RETRY_AFTER_S
 from router.http.siblings import HEADER_PROCESS, ProcessSlot, Siblings
@@ -24,6 +25,7 @@ from router.routing import hotloop
 from router.context import RouterContext, build_context, start, stop
 
 log = logging.getLogger("prefixlb.router")
+YOUNG_GC_THRESHOLD = 5000  # container allocations between the cyclic GC's young collections (Python's: 700)
 
 
 def build_app(ctx: RouterContext) -> web.Application:
@@ -67,7 +69,7 @@ class Listener:
         if fast:
             assert runner.server is not None
             self.front = runner.app[CONTEXT].front = Front(
-                runner.app, runner.server, {"/v1/completions": completions, "/v1/chat/completions": chat_completions})
+                runner.app, runner.server, FAST_ROUTES)
         self._server: asyncio.AbstractServer | None = None
         self._site: web.TCPSite | None = None
 
@@ -142,6 +144,13 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, slot: Pro
                  "process=%s compiled_loops=%s", cfg.host, cfg.port, cfg.admin_port or cfg.port, cfg.policy,
                  cfg.affinity, len(ctx.registry), bool(cfg.redis), f"{slot.index + 1}/{slot.count}" if slot else "1/1",
                  hotloop.hot is not None)
+        # Everything built so far (modules, the app, the fleet) lives as long as the process: the
+        # cyclic GC need not scan it again in each full collection (~3 us a request under load).
+        # And a young collection every 5,000 container allocations, not 700: each scans what is
+        # alive at that moment, mostly requests in flight that die young anyway when it comes
+        # later (GC time 90 -> 30 ms per 16,000 requests at c=32; a young collection ~1 ms).
+        gc.freeze()
+        gc.set_threshold(YOUNG_GC_THRESHOLD, *gc.get_threshold()[1:])
         if ready is not None:
             ready.set()
         await stopping.wait()

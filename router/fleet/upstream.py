@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import errno
+import os
 import re
 import socket
 import time
@@ -48,12 +49,29 @@ REUSE_RACE_S = 0.25  # a reused connection closed within this of the write, unan
 _STATUS_LINE = re.compile(r"HTTP/1\.([01]) ([1-9][0-9][0-9])(?: [^\r\n]*)?")
 HTTP_TOKEN = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"  # a header name (RFC 9110 token); the front's parser too
 _TOKEN = re.compile(HTTP_TOKEN)
+_STATUS_LINES: dict[str, tuple[str, int]] = {}  # status lines that matched: (HTTP minor version, code)
 # The header lines after the status line, each with its CRLF: valid as a whole (one scan in C),
 # then cut into (name, value) pairs by one findall -- the same pairs as the line-by-line loop
 # gives whenever no value ends with a blank (the loop's strip); otherwise the loop runs.
 _HEADER_BLOCK = re.compile(rf"(?:{HTTP_TOKEN}:[^\r\n]*\r\n)*")
 _HEADER = re.compile(rf"({HTTP_TOKEN}):[\t ]*([^\r\n]*)\r\n")
 _NO_HEADERS: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())  # until the answer's are in
+PURE_PYTHON_ENV = "PREFIXLB_PURE_PYTHON"  # as router/routing/hotloop.py: the Python code alone
+
+
+def _compiled_wire():
+    """``_wire.c``'s header loops (each answers as the Python code here, or declines), or None:
+    not built (the extension is optional), or turned off with ``PREFIXLB_PURE_PYTHON=1``."""
+    if os.environ.get(PURE_PYTHON_ENV, "").strip().lower() not in ("", "0", "false", "no"):
+        return None
+    try:
+        from router.fleet import _wire  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return _wire
+
+
+wire = _compiled_wire()
 _HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_CRLF, _TRAILERS, _UNTIL_EOF, _DONE = range(8)
 
 
@@ -263,17 +281,25 @@ class UpstreamResponse:
         text = head.decode("utf-8", "surrogateescape")
         end = text.find("\r\n")
         first = text if end < 0 else text[:end]
-        status = _STATUS_LINE.fullmatch(first)
+        status = _STATUS_LINES.get(first)  # ("HTTP/1.1 200 OK" again and again: matched once)
         if status is None:
-            raise UpstreamProtocolError(f"invalid status line {first[:64]!r}")
+            match = _STATUS_LINE.fullmatch(first)
+            if match is None:
+                raise UpstreamProtocolError(f"invalid status line {first[:64]!r}")
+            if len(_STATUS_LINES) >= 64:
+                _STATUS_LINES.clear()
+            status = _STATUS_LINES[first] = (match.group(1), int(match.group(2)))
+        minor, code = status
         block = "" if end < 0 else text[end + 2:] + "\r\n"
         if block.count("\r\n") > MAX_HEADERS:
             raise UpstreamProtocolError("the worker sent too many headers")
-        code = int(status.group(2))
         if 100 <= code < 200:  # an interim answer (100 Continue, 103): the real one follows
             return
-        if _HEADER_BLOCK.fullmatch(block) and " \r\n" not in block and "\t\r\n" not in block:
-            headers: CIMultiDict[str] = CIMultiDict(_HEADER.findall(block))
+        pairs = wire.header_pairs(block) if wire is not None else None  # (None: the regexes decide)
+        if pairs is not None:
+            headers: CIMultiDict[str] = CIMultiDict(pairs)
+        elif _HEADER_BLOCK.fullmatch(block) and " \r\n" not in block and "\t\r\n" not in block:
+            headers = CIMultiDict(_HEADER.findall(block))
         else:
             headers = CIMultiDict()
             token = _TOKEN.fullmatch
@@ -285,7 +311,7 @@ class UpstreamResponse:
         self.status = code
         self.headers = CIMultiDictProxy(headers)
         connection = headers.get("Connection", "").lower()
-        if status.group(1) == "0":
+        if minor == "0":
             self._keep_alive = "keep-alive" in connection
         elif "close" in connection:
             self._keep_alive = False
@@ -370,12 +396,6 @@ class UpstreamResponse:
         else:
             self._conn.wait_timer(self._loop, self._read_deadline)
 
-    async def _start(self) -> None:
-        while not self._head_done:
-            if self._exc is not None:
-                raise self._exc
-            await self._wait()
-
     # -- the body, as the proxy reads it -----------------------------------------------------
     async def readany(self) -> bytes:
         """The body bytes received so far and not read yet (waiting for some); b"" at its end."""
@@ -385,6 +405,20 @@ class UpstreamResponse:
             if self._state == _DONE:
                 return b""
             await self._wait()
+        chunks = self._chunks
+        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self._buffered = 0
+        if self._paused and self._conn.transport is not None:
+            self._paused = False
+            self._conn.transport.resume_reading()
+        return data
+
+    def body_nowait(self, limit: int) -> bytes | None:
+        """The whole body, when all of it is in (and not failed) and it is at most ``limit``
+        bytes: what reading it to its end would give, without waiting. Else None (nothing read)."""
+        if self._state != _DONE or self._exc is not None or self._buffered > limit:
+            return None
         chunks = self._chunks
         data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
         chunks.clear()
@@ -476,6 +510,10 @@ def _refused_everywhere(exc: OSError) -> ConnectionRefusedError | None:
 def header_lines(headers: Mapping[str, str]) -> str:
     """``headers`` as HTTP lines (``name: value`` and CRLF each), or a ValueError naming one with
     a CR or LF in it (aiohttp refuses those too): a request smuggled in a header is never sent."""
+    if wire is not None:
+        lines = wire.header_lines(headers)  # ASCII str names and values without CR or LF
+        if lines is not NotImplemented:
+            return lines
     try:
         # str.join, not f-strings: the names of a CIMultiDict (a response's headers) are istr,
         # which f-strings format through a slow path (4.2 us for 8 headers; 2.4 us joined)
@@ -555,7 +593,10 @@ class UpstreamPool:
             else:  # no copy of a large body
                 transport.write(head)
                 transport.write(body)
-            await response._start()
+            while not response._head_done:  # (_start's loop, without its coroutine)
+                if response._exc is not None:
+                    raise response._exc
+                await response._wait()
         except BaseException:
             response.close()
             raise

@@ -26,7 +26,7 @@ from protocol import RenderError
 from protocol.api_keys import api_key_middleware, bearer_token
 from protocol.http_errors import error_middleware
 from protocol.openai_api import OpenAIError, RequestLimits, bad_request, model_not_found, parse_request
-from protocol.openai_body import decode_off_loop, read_limited_body
+from protocol.openai_body import OFF_LOOP_BYTES, decode_off_loop, read_limited_body
 from protocol.log_format import log_info
 from protocol.version import version
 from router.context import RouterContext
@@ -103,8 +103,11 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
     ctx = request.app[CONTEXT]
     cfg = ctx.config
     limits = _limits(cfg.max_body_bytes)
-    raw = await read_body(request, cfg.max_body_bytes, cfg.body_timeout, limits)
-    parsed = await decode_off_loop(raw, parse_request, chat, limits)
+    # (read_body's and decode_off_loop's work, without their coroutines for a body that is small)
+    raw = await read_limited_body(request.content_length, request.content, cfg.max_body_bytes, cfg.body_timeout,
+                                  limits)
+    parsed = (parse_request(raw, chat, limits) if len(raw) <= OFF_LOOP_BYTES
+              else await decode_off_loop(raw, parse_request, chat, limits))
     # The client's request id, or one made here: returned, passed to the worker, in the access log.
     # (32 random hex digits, as uuid4().hex but without building a UUID)
     request_id = forwardable(HEADER_REQUEST_ID, request.headers.get(HEADER_REQUEST_ID) or os.urandom(16).hex())
@@ -214,6 +217,11 @@ def _access(ctx: RouterContext, preq: ProxyRequest, model: str, label: str, stat
              a.reason, a.attempts, "-" if a.ttfb_s is None else f"{1000 * a.ttfb_s:.1f}", 1000 * duration_s,
              usage[0] if usage else "-", usage[1] if usage and usage[1] is not None else "-",
              a.predicted_cached_tokens)
+
+
+# The fast front's handlers (router/http/front.py): _inference itself, one coroutine less a request.
+FAST_ROUTES = {"/v1/completions": functools.partial(_inference, chat=False),
+               "/v1/chat/completions": functools.partial(_inference, chat=True)}
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

@@ -184,14 +184,19 @@ class FastStream:
 
 async def _prepare_headers(request: FastRequest, response: Any, headers: CIMultiDict, keep_alive: bool) -> None:
     """What aiohttp's ``StreamResponse._prepare_headers`` and the app's prepare hook add."""
+    _default_headers(headers, keep_alive)
+    signal = request.app.on_response_prepare
+    if len(signal):
+        await signal.send(request, response)
+
+
+def _default_headers(headers: CIMultiDict, keep_alive: bool) -> None:
+    """What aiohttp's ``StreamResponse._prepare_headers`` adds."""
     if "Date" not in headers:
         headers["Date"] = rfc822_formatted_time()
     headers.setdefault("Server", SERVER_SOFTWARE)
     if not keep_alive and "Connection" not in headers:
         headers["Connection"] = "close"
-    signal = request.app.on_response_prepare
-    if len(signal):
-        await signal.send(request, response)
 
 
 def _head(status: int, reason: str, headers: Mapping[str, str]) -> bytes:
@@ -494,7 +499,10 @@ class FrontProtocol(asyncio.Protocol):
         if body:
             headers.setdefault("Content-Type", "application/octet-stream")
         keep_alive = request.keep_alive if response.keep_alive is None else response.keep_alive
-        await _prepare_headers(request, response, headers, keep_alive)
+        _default_headers(headers, keep_alive)  # (_prepare_headers without its coroutine when no hook)
+        signal = request.app.on_response_prepare
+        if len(signal):
+            await signal.send(request, response)
         head = _head(response.status, response.reason, headers)
         self.write(head + body if body else head)
         if self.paused:  # the client reads slower than it asks: answer the next once this is out

@@ -52,7 +52,7 @@ from router.routing.balancer import Balancer
 from router.fleet.connections import WorkerConnections
 from router.fleet.health import refused
 from router.fleet.upstream import UpstreamResponse
-from router.metrics import RouterMetrics
+from router.metrics import RouterMetrics, observe
 from router.routing.policy import Decision, NoCapacity
 from router.routing.prompt import PromptKey
 from router.fleet.registry import WorkerRegistry
@@ -134,16 +134,25 @@ class _Guard:
         self._handle: asyncio.Handle | None = None
 
     async def __aenter__(self) -> "_Guard":
+        self.enter()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: Any) -> bool | None:
+        self.leave(exc_type, exc)
+        return None
+
+    def enter(self) -> None:
+        """``async with``'s entry, for a caller that calls :meth:`leave` itself (no coroutines)."""
         task = asyncio.current_task()
         if task is None:
             raise RuntimeError("Timeout should be used inside a task")
         self._task = task
         self._cancelling = task.cancelling()
         self._guards.add(self)
-        return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: Any) -> bool | None:
+    def leave(self, exc_type: type[BaseException] | None, exc: BaseException | None) -> None:
+        """``async with``'s exit: raises the TimeoutError an expiry turns its cancellation into."""
         self._guards.discard(self)
         if self._handle is not None:
             self._handle.cancel()
@@ -154,7 +163,6 @@ class _Guard:
             # cancellation request still pending (the client went away) stays one
             if self._task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError:  # type: ignore[union-attr]
                 raise TimeoutError from exc
-        return None
 
     def expire(self) -> None:
         """End the guarded block: its task is cancelled in the loop's next turn."""
@@ -325,7 +333,7 @@ class Proxy:
                 raise
             self.metrics.queue_wait.observe(time.perf_counter() - waited)
             return None
-        self.metrics.decision_seconds.observe(time.perf_counter() - started)
+        observe(self.metrics.decision, time.perf_counter() - started)
         return decision
 
     def _attempt_failed(self, worker_id: str, exc: _Failed, attempt: int) -> None:
@@ -350,8 +358,14 @@ class Proxy:
             raise _Failed("unknown", "worker left the registry")
         guard = self._guard(worker_id)
         try:
-            async with guard:
-                return await self._send(url, preq)
+            guard.enter()  # (async with guard, without its two coroutines)
+            try:
+                sent = await self._send(url, preq)
+            except BaseException as exc:
+                guard.leave(type(exc), exc)
+                raise
+            guard.leave(None, None)
+            return sent
         except TimeoutError:
             if not guard.expired():
                 raise
@@ -373,8 +387,10 @@ class Proxy:
                 first = await upstream.content.readany()
                 if not first:
                     raise _Failed("disconnected", "stream ended before its first byte")
-            else:
-                first = await _read_capped(upstream.content)
+            else:  # (an answer already in whole: taken without _read_capped's two reads)
+                first = upstream.body_nowait(MAX_RESPONSE_BYTES) if type(upstream) is UpstreamResponse else None
+                if first is None:
+                    first = await _read_capped(upstream.content)
         except asyncio.TimeoutError as exc:
             upstream.close()
             raise _Failed("timeout", "no answer in time") from exc

@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from router.fleet.health import refused
-from router.fleet.upstream import HIGH_WATER, REUSE_RACE_S, UpstreamPool, UpstreamProtocolError
+from router.fleet.upstream import _DONE, HIGH_WATER, REUSE_RACE_S, UpstreamPool, UpstreamProtocolError
 from router.http.proxy import release_after_end
 from tests.integration.router_harness import wait_until
 from tests.support import completions_server, free_port
@@ -414,3 +414,22 @@ async def test_the_read_timeout_counts_from_the_last_bytes_on_a_reused_connectio
         done.set()
         pool.close()
         server.close()
+
+
+async def test_a_body_taken_without_waiting_is_the_whole_body_once_it_is_all_in_and_within_its_limit():
+    payload = bytes(range(256)) * 40
+    reply = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload
+    async with Scripted([reply, reply], pieces=4) as url:
+        pool = UpstreamPool(1.0, 5.0)
+        response = await pool.post(url, "/v1/completions", b"{}", {})
+        if response._state != _DONE:  # the head is in, the body still coming (4 writes)
+            assert response.body_nowait(1 << 20) is None
+        await wait_until(lambda: response._state == _DONE)
+        assert response.body_nowait(len(payload) - 1) is None  # over the limit: nothing taken
+        assert response.body_nowait(len(payload)) == payload
+        assert await response.content.read() == b""  # taken: the body's end, as after reading it
+        response.release()
+        again = await pool.post(url, "/v1/completions", b"{}", {})  # the connection went back to the pool
+        assert await again.content.read() == payload
+        again.release()
+    assert pool.stale_retries == 0

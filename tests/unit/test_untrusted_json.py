@@ -69,3 +69,33 @@ def test_a_json_schema_judge_rejects_an_answer_too_deep_to_validate():
     assert judge.evaluate("[" * 900 + "]" * 900).reason == "schema_violation: (root): nested too deeply to validate"
     assert judge.evaluate(DEEP).reason == "invalid_json"
     assert judge.evaluate("[[], [[]]]").accept
+
+
+def _outcome(f, text: str):
+    try:
+        return "ok", f(text)
+    except (ValueError, RecursionError) as exc:  # the message and position too
+        return type(exc).__name__, str(exc)
+
+
+def test_scan_whole_answers_and_refuses_exactly_as_the_decoders_decode_on_random_texts() -> None:
+    """The C scanner alone for a bare object; anything it does not finish goes to ``decode``."""
+    import random
+
+    from protocol.openai_body import _DECODER as BODY_DECODER
+    from protocol.untrusted_json import _DECODER, scan_whole
+
+    rng = random.Random(5)
+    pieces = ['{', '}', '[', ']', '"a"', '"\\ud800"', ':', ',', '1', '-0.5e3', 'NaN', 'Infinity', 'null', 'true',
+              ' ', '\n', '\t', '"x"', '{"usage": {"prompt_tokens": 3}}', '"', '\\', '\u00e9', '{}', '1e999']
+    scanned = 0
+    for _ in range(30_000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randrange(0, 12)))
+        if rng.random() < 0.5:
+            text = "{" + text + "}"
+        for decoder in (_DECODER, BODY_DECODER):
+            assert _outcome(lambda t: scan_whole(decoder, t), text) == _outcome(decoder.decode, text), repr(text)
+        scanned += text[:1] == "{" and text[-1:] == "}"
+    assert scanned > 10_000
+    deep = '{"a":' + "[" * 100_000 + "]" * 100_000 + "}"
+    assert _outcome(lambda t: scan_whole(_DECODER, t), deep)[0] == _outcome(_DECODER.decode, deep)[0] == "RecursionError"

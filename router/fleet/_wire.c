@@ -1,0 +1,140 @@
+/* The two header loops of every proxied request, compiled (loaded by router/fleet/upstream.py).
+ *
+ * header_pairs(block): the (name, value) pairs of a worker's answer's header lines, when each is
+ *   "token:value\r\n" in ASCII with no value ending in a blank: what upstream.py's two regexes
+ *   (_HEADER_BLOCK's check, then _HEADER.findall) give. None for anything else (non-ASCII, an
+ *   invalid or unusual line), and then the Python code runs and gives its answer or error.
+ * header_lines(headers): "name: value\r\n" of each item, when all are ASCII str without CR or
+ *   LF: what upstream.header_lines gives. NotImplemented for anything else (a value that is not
+ *   a str, a newline to refuse, non-ASCII), and then the Python function runs.
+ *
+ * Both only ever answer what the Python code would answer, or decline; tests/unit/test_wire.py
+ * compares them on random inputs.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <string.h>
+
+static unsigned char is_token[256];
+
+static void init_tokens(void) {
+    const char *extra = "!#$%&'*+-.^_`|~";
+    for (int c = '0'; c <= '9'; c++) is_token[c] = 1;
+    for (int c = 'a'; c <= 'z'; c++) is_token[c] = 1;
+    for (int c = 'A'; c <= 'Z'; c++) is_token[c] = 1;
+    for (const char *p = extra; *p; p++) is_token[(unsigned char)*p] = 1;
+}
+
+static PyObject *ascii_str(const char *data, Py_ssize_t n) {
+    PyObject *s = PyUnicode_New(n, 127);
+    if (s != NULL) memcpy(PyUnicode_1BYTE_DATA(s), data, (size_t)n);
+    return s;
+}
+
+static PyObject *wire_header_pairs(PyObject *self, PyObject *block) {
+    if (!PyUnicode_Check(block) || PyUnicode_READY(block) < 0 || !PyUnicode_IS_ASCII(block))
+        Py_RETURN_NONE;
+    const char *s = (const char *)PyUnicode_1BYTE_DATA(block);
+    Py_ssize_t n = PyUnicode_GET_LENGTH(block), pos = 0;
+    PyObject *pairs = PyList_New(0);
+    if (pairs == NULL) return NULL;
+    while (pos < n) {
+        Py_ssize_t name = pos;
+        while (pos < n && is_token[(unsigned char)s[pos]]) pos++;
+        if (pos == name || pos >= n || s[pos] != ':') goto decline;
+        Py_ssize_t name_end = pos++;
+        Py_ssize_t value = pos;
+        while (pos < n && s[pos] != '\r' && s[pos] != '\n') pos++;
+        if (pos + 1 >= n || s[pos] != '\r' || s[pos + 1] != '\n') goto decline;
+        if (s[pos - 1] == ' ' || s[pos - 1] == '\t') goto decline;  /* a trailing blank (or a blank value) */
+        Py_ssize_t value_end = pos;
+        while (value < value_end && (s[value] == ' ' || s[value] == '\t')) value++;
+        pos += 2;
+        PyObject *k = ascii_str(s + name, name_end - name);
+        PyObject *v = k == NULL ? NULL : ascii_str(s + value, value_end - value);
+        PyObject *pair = v == NULL ? NULL : PyTuple_Pack(2, k, v);
+        Py_XDECREF(k);
+        Py_XDECREF(v);
+        if (pair == NULL || PyList_Append(pairs, pair) < 0) {
+            Py_XDECREF(pair);
+            Py_DECREF(pairs);
+            return NULL;
+        }
+        Py_DECREF(pair);
+    }
+    return pairs;
+decline:
+    Py_DECREF(pairs);
+    Py_RETURN_NONE;
+}
+
+/* 1: appended; 0: decline (not an ASCII str, or a CR or LF in it); -1: error */
+static int usable(PyObject *s) {
+    if (!PyUnicode_Check(s) || PyUnicode_READY(s) < 0 || !PyUnicode_IS_ASCII(s)) return 0;
+    const char *d = (const char *)PyUnicode_1BYTE_DATA(s);
+    Py_ssize_t n = PyUnicode_GET_LENGTH(s);
+    return memchr(d, '\r', (size_t)n) == NULL && memchr(d, '\n', (size_t)n) == NULL;
+}
+
+static PyObject *wire_header_lines(PyObject *self, PyObject *headers) {
+    PyObject *items;
+    if (PyDict_CheckExact(headers)) {
+        items = PyDict_Items(headers);
+    } else {
+        PyObject *view = PyObject_CallMethod(headers, "items", NULL);
+        if (view == NULL) return NULL;
+        items = PySequence_List(view);
+        Py_DECREF(view);
+    }
+    if (items == NULL) return NULL;
+    Py_ssize_t count = PyList_GET_SIZE(items), total = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *item = PyList_GET_ITEM(items, i);
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) goto decline;
+        PyObject *k = PyTuple_GET_ITEM(item, 0), *v = PyTuple_GET_ITEM(item, 1);
+        if (usable(k) <= 0 || usable(v) <= 0) goto decline;
+        total += PyUnicode_GET_LENGTH(k) + PyUnicode_GET_LENGTH(v) + 4;
+    }
+    PyObject *out = PyUnicode_New(total, 127);
+    if (out == NULL) {
+        Py_DECREF(items);
+        return NULL;
+    }
+    char *p = (char *)PyUnicode_1BYTE_DATA(out);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *item = PyList_GET_ITEM(items, i);
+        PyObject *k = PyTuple_GET_ITEM(item, 0), *v = PyTuple_GET_ITEM(item, 1);
+        Py_ssize_t kn = PyUnicode_GET_LENGTH(k), vn = PyUnicode_GET_LENGTH(v);
+        memcpy(p, PyUnicode_1BYTE_DATA(k), (size_t)kn);
+        p += kn;
+        *p++ = ':';
+        *p++ = ' ';
+        memcpy(p, PyUnicode_1BYTE_DATA(v), (size_t)vn);
+        p += vn;
+        *p++ = '\r';
+        *p++ = '\n';
+    }
+    Py_DECREF(items);
+    return out;
+decline:
+    Py_DECREF(items);
+    Py_RETURN_NOTIMPLEMENTED;
+}
+
+static PyMethodDef wire_methods[] = {
+    {"header_pairs", wire_header_pairs, METH_O,
+     "header_pairs(block): the (name, value) pairs of plain ASCII header lines, or None (see the source)."},
+    {"header_lines", wire_header_lines, METH_O,
+     "header_lines(headers): 'name: value\\r\\n' of each item, or NotImplemented (see the source)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef wire_module = {
+    PyModuleDef_HEAD_INIT, "_wire", "The header loops of every proxied request, compiled (see upstream.py).", -1,
+    wire_methods,
+};
+
+PyMODINIT_FUNC PyInit__wire(void) {
+    init_tokens();
+    return PyModule_Create(&wire_module);
+}

@@ -1,0 +1,114 @@
+"""router/fleet/_wire.c answers as upstream.py's Python code, or declines (then the Python runs):
+compared on random header blocks and header mappings, and on whole answers' heads."""
+from __future__ import annotations
+
+import random
+
+import pytest
+from multidict import CIMultiDict
+
+from router.fleet import upstream
+from router.fleet.upstream import _HEADER, _HEADER_BLOCK, UpstreamProtocolError, UpstreamResponse
+
+wire = upstream.wire
+pytestmark = pytest.mark.skipif(wire is None, reason="router/fleet/_wire.c not built (or PREFIXLB_PURE_PYTHON)")
+
+NAMES = ["Content-Type", "Content-Length", "X-Request-Id", "Date", "a", "X_y", "bad name", "", "caf\u00e9", "x\ty"]
+PIECES = ["", "v", " ", "\t", "json; charset=utf-8", "12", "\r", "\n", "\r\n", ":", "\u00e9", "\x00", "\x7f", "a b",
+          "\udcff"]
+
+
+def _value(rng: random.Random) -> str:
+    return "".join(rng.choice(PIECES) for _ in range(rng.randrange(0, 4)))
+
+
+def _block(rng: random.Random) -> str:
+    lines = []
+    for _ in range(rng.randrange(0, 6)):
+        sep = rng.choice([":", ": ", ":\t ", ":", ""])
+        lines.append(rng.choice(NAMES) + sep + _value(rng) + rng.choice(["\r\n"] * 8 + ["\n", "\r", ""]))
+    return "".join(lines)
+
+
+def _regex_pairs(block: str) -> list[tuple[str, str]] | None:
+    """What upstream.py's regexes give (None: they leave the block to the line-by-line loop)."""
+    if _HEADER_BLOCK.fullmatch(block) and " \r\n" not in block and "\t\r\n" not in block:
+        return _HEADER.findall(block)
+    return None
+
+
+def test_header_pairs_are_the_regexes_pairs_of_every_ascii_block_and_decline_the_rest() -> None:
+    rng = random.Random(7)
+    answered = 0
+    for _ in range(40_000):
+        block = _block(rng)
+        pairs = wire.header_pairs(block)
+        if block.isascii():
+            assert pairs == _regex_pairs(block), repr(block)
+            answered += pairs is not None
+        else:
+            assert pairs is None
+    assert answered > 5_000  # the random blocks reach the compiled path often
+
+
+def _python_lines(headers) -> str:
+    saved, upstream.wire = upstream.wire, None
+    try:
+        return upstream.header_lines(headers)
+    finally:
+        upstream.wire = saved
+
+
+def test_header_lines_are_the_python_lines_or_declined_on_random_headers() -> None:
+    rng = random.Random(11)
+    answered = 0
+    for i in range(20_000):
+        items = [(rng.choice(NAMES), rng.choice([_value(rng), _value(rng), 7, None]) if rng.random() < 0.1
+                  else _value(rng)) for _ in range(rng.randrange(0, 6))]
+        headers = CIMultiDict(items) if i % 2 else dict(items)
+        lines = wire.header_lines(headers)
+        try:
+            expected: str | type = _python_lines(headers)
+        except (ValueError, TypeError) as exc:  # (a None value beside a newline: the Python's TypeError)
+            expected = type(exc)
+        if lines is NotImplemented:
+            plain = all(isinstance(x, str) and x.isascii() and "\r" not in x and "\n" not in x
+                        for pair in headers.items() for x in pair)
+            assert not plain, headers
+        else:
+            answered += 1
+            assert lines == expected
+    assert answered > 5_000
+
+
+def test_a_header_with_a_newline_is_still_refused() -> None:
+    with pytest.raises(ValueError, match="a newline in header"):
+        upstream.header_lines({"X-Request-Id": "a\r\nHost: evil"})
+
+
+def _parse(head: bytes, compiled: bool):
+    saved = upstream.wire
+    upstream.wire = saved if compiled else None
+    try:
+        r = UpstreamResponse.__new__(UpstreamResponse)
+        r._keep_alive, r._state, r._remaining, r._head_done, r.status = True, 0, 0, False, 0
+        try:
+            r._head(head)
+        except UpstreamProtocolError as exc:
+            return "error", str(exc)
+        headers = list(r.headers.items()) if r._head_done else None
+        return r.status, headers, r._keep_alive, r._state, r._remaining
+    finally:
+        upstream.wire = saved
+
+
+def test_an_answers_head_parses_alike_with_and_without_the_compiled_loop() -> None:
+    rng = random.Random(3)
+    statuses = ["HTTP/1.1 200 OK", "HTTP/1.0 200 OK", "HTTP/1.1 503 Service Unavailable", "HTTP/1.1 100 Continue",
+                "HTTP/2 200", "HTTP/1.1 204 No Content"]
+    framing = ["Content-Length: 341\r\n", "Transfer-Encoding: chunked\r\n", "Connection: close\r\n",
+               "Connection: keep-alive\r\n", "Content-Length: 3\r\nContent-Length: 4\r\n", ""]
+    for _ in range(10_000):
+        block = _block(rng) + "".join(rng.sample(framing, rng.randrange(0, 3)))
+        head = (rng.choice(statuses) + "\r\n" + block).removesuffix("\r\n").encode("utf-8", "surrogateescape")
+        assert _parse(head, True) == _parse(head, False), head
