@@ -125,6 +125,7 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, slot: Pro
     control_runner = await app_runner(build_control_app(ctx)) if slot is not None else None
     shared = slot is not None  # the N processes listen on the same ports
     listener = Listener(runner, cfg.fast_front)
+    gc_threshold: tuple[int, ...] | None = None
     try:
         await listener.start(cfg.host, cfg.port, reuse_port=shared)
         if admin_runner is not None:
@@ -149,8 +150,9 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, slot: Pro
         # And a young collection every 5,000 container allocations, not 700: each scans what is
         # alive at that moment, mostly requests in flight that die young anyway when it comes
         # later (GC time 90 -> 30 ms per 16,000 requests at c=32; a young collection ~1 ms).
+        gc_threshold = gc.get_threshold()
         gc.freeze()
-        gc.set_threshold(YOUNG_GC_THRESHOLD, *gc.get_threshold()[1:])
+        gc.set_threshold(YOUNG_GC_THRESHOLD, *gc_threshold[1:])
         if ready is not None:
             ready.set()
         await stopping.wait()
@@ -166,4 +168,7 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, slot: Pro
             await admin_runner.cleanup()
         await listener.close()
         await stop(ctx)
+        if gc_threshold is not None:  # the process's collector as it was (serve() may be embedded)
+            gc.set_threshold(*gc_threshold)
+            gc.unfreeze()
     return 0
