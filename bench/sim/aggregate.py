@@ -30,7 +30,7 @@ import heapq
 from worker.engine.kv_cache.kv_tier import KVTier
 from worker.simulator.latency import LatencyModel, StepShape
 
-from bench.sim.decode_run import observe_decode_run
+from bench.sim.simloop import observe_decode_run
 from bench.sim.lora import SimLoRA
 from bench.sim.worker import SimRequest, SimWorker, is_decode
 

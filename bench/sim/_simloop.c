@@ -1,0 +1,408 @@
+/* The closed forms of a decode run (bench/sim/decode_run.py), compiled: a simulated replica
+ * times, cuts and folds millions of decode runs in a fleet simulation, a few Python calls and a
+ * few dozen float operations each.
+ *
+ * Optional: bench/sim/simloop.py imports this module if it was built and uses the Python
+ * functions otherwise (or with PREFIXLB_PURE_PYTHON=1). Both give the same results: every float
+ * below is the same IEEE expression, in the same order, as the Python it replaces (ints convert to
+ * doubles exactly below 2**53), and tests/unit/test_simloop.py compares the two on random runs.
+ * Anything these functions were not written for -- an argument that is not an exact float or
+ * int, an int past 2**53, a NaN or infinity where Python's math.ceil or int() would raise, a
+ * meter whose clipping could act -- is handed to the Python function (bound with bind()), so an
+ * unusual value gets Python's own answer or error.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+
+/* Python rounds after every operation: no fused multiply-add (setup.py passes -ffp-contract=off;
+ * clang also honours the standard pragma, GCC only the flag). */
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#endif
+
+#define EXACT_INT_LIMIT 9007199254740992LL /* 2**53 */
+
+/* The Python functions called where these cannot answer (bind()). */
+static PyObject *py_run_time = NULL, *py_steps_done_by = NULL, *py_done_by = NULL, *py_run_cut = NULL,
+                *py_observe = NULL;
+static PyObject *str_decode_step_s = NULL, *str_decode_measured = NULL, *str_max_jump = NULL, *str_alpha = NULL;
+
+/* A float argument: an exact float, or an exact int below 2**53 (converted exactly). 0 if not. */
+static int
+as_double(PyObject *obj, double *out)
+{
+    if (PyFloat_CheckExact(obj)) {
+        *out = PyFloat_AS_DOUBLE(obj);
+        return 1;
+    }
+    if (PyLong_CheckExact(obj)) {
+        int overflow;
+        long long v = PyLong_AsLongLongAndOverflow(obj, &overflow);
+        if (overflow || v >= EXACT_INT_LIMIT || v <= -EXACT_INT_LIMIT) {
+            PyErr_Clear();
+            return 0;
+        }
+        *out = (double)v;
+        return 1;
+    }
+    return 0;
+}
+
+/* An int argument: an exact int below 2**53 in magnitude. 0 if not. */
+static int
+as_count(PyObject *obj, long long *out)
+{
+    if (!PyLong_CheckExact(obj))
+        return 0;
+    int overflow;
+    long long v = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    if (overflow || v >= EXACT_INT_LIMIT || v <= -EXACT_INT_LIMIT) {
+        PyErr_Clear();
+        return 0;
+    }
+    *out = v;
+    return 1;
+}
+
+/* min(k, max(0, math.ceil(x))) and min(k, max(0, math.floor(x) + 1)) for a finite x. */
+static long long
+clamp_ceil(double x, long long k)
+{
+    double c = ceil(x);
+    if (c <= 0.0)
+        return 0;
+    return c >= (double)k ? k : (long long)c;
+}
+
+static long long
+clamp_floor_plus_one(double x, long long k)
+{
+    double f = floor(x);
+    if (f + 1.0 <= 0.0)
+        return 0;
+    return f >= (double)(k - 1) ? k : (long long)f + 1;
+}
+
+/* decode_run_time: 1 with *out set, 0 where Python must answer (a crossing that is not finite). */
+static int
+run_time(double overhead, double c0, double c1, double m0, double m1, long long k, double *out)
+{
+    double total = overhead * (double)k;
+    double d0 = c0 - m0, d1 = c1 - m1;
+    if (d1 == 0.0) {
+        double a = d0 >= 0 ? c0 : m0, b = d0 >= 0 ? c1 : m1;
+        *out = total + (k > 0 ? (double)k * a + b * (double)(k - 1) * (double)k / 2.0 : 0.0);
+        return 1;
+    }
+    long long cross;
+    double a0, b0, a1, b1;
+    if (d1 > 0) {
+        double x = -d0 / d1;
+        if (!isfinite(x))
+            return 0;
+        cross = clamp_ceil(x, k);
+        a0 = m0, b0 = m1, a1 = c0, b1 = c1;
+    } else {
+        if (d0 >= 0) {
+            double x = d0 / -d1;
+            if (!isfinite(x))
+                return 0;
+            cross = clamp_floor_plus_one(x, k);
+        } else {
+            cross = 0;
+        }
+        a0 = c0, b0 = c1, a1 = m0, b1 = m1;
+    }
+    double first = cross > 0 ? (double)cross * a0 + b0 * (double)(cross - 1) * (double)cross / 2.0 : 0.0;
+    double second = k > cross ? (double)(k - cross) * a1 + b1 * (double)(cross + k - 1) * (double)(k - cross) / 2.0
+                              : 0.0;
+    *out = total + first + second;
+    return 1;
+}
+
+/* _steps_done_by: 1 with *done and *seconds (NAN: None) set, 0 where Python must answer. */
+static int
+steps_done_by(double elapsed, double overhead, double c0, double c1, double m0, double m1, long long k,
+              long long *done, double *seconds)
+{
+    double first = overhead + (m0 > c0 ? m0 : c0);
+    if (c1 >= 0 && m1 >= 0 && first > 0) {
+        double q = elapsed / first;
+        if (!isfinite(q))
+            return 0;  /* int() raises */
+        double t = trunc(q);
+        long long guess;
+        if (t >= (double)(k - 1))
+            guess = k;
+        else if (t < -1e15)
+            guess = -1000000000000000LL;  /* only its sign matters below */
+        else
+            guess = (long long)t + 1;
+        int have_above = 0;
+        double above = 0.0;
+        for (int i = 0; i < 3; i++) {
+            if (guess <= 0) {
+                *done = guess > 0 ? guess : 0;
+                *seconds = guess == 0 && have_above ? above : NAN;
+                return 1;
+            }
+            double s;
+            if (!run_time(overhead, c0, c1, m0, m1, guess, &s))
+                return 0;
+            if (s <= elapsed) {
+                *done = guess;
+                *seconds = have_above ? above : NAN;
+                return 1;
+            }
+            above = s;
+            have_above = 1;
+            guess -= 1;
+        }
+    }
+    long long lo = 0, hi = k;
+    while (lo < hi) {
+        long long mid = (lo + hi + 1) / 2;  /* lo, hi >= 0: floor division */
+        double s;
+        if (!run_time(overhead, c0, c1, m0, m1, mid, &s))
+            return 0;
+        if (s <= elapsed)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    *done = lo;
+    *seconds = NAN;
+    return 1;
+}
+
+/* Read nargs float arguments then one int (k) from args[first:]; 0 if any is not what it should be. */
+static int
+read_run(PyObject *const *args, int nfloats, double *floats, long long *k)
+{
+    for (int i = 0; i < nfloats; i++) {
+        if (!as_double(args[i], &floats[i]))
+            return 0;
+    }
+    return as_count(args[nfloats], k);
+}
+
+static PyObject *
+fallback(PyObject *func, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (func == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "bench.sim._simloop is not bound (bind() first)");
+        return NULL;
+    }
+    return PyObject_Vectorcall(func, args, nargs, NULL);
+}
+
+/* decode_run_time(overhead, c0, c1, m0, m1, k) -> float */
+static PyObject *
+sim_decode_run_time(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    double f[5], out;
+    long long k;
+    if (nargs != 6 || !read_run(args, 5, f, &k) || !run_time(f[0], f[1], f[2], f[3], f[4], k, &out))
+        return fallback(py_run_time, args, nargs);
+    return PyFloat_FromDouble(out);
+}
+
+/* steps_done_by(elapsed, overhead, c0, c1, m0, m1, k) -> (done, seconds | None) */
+static PyObject *
+sim_steps_done_by(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    double f[6], seconds;
+    long long k, done;
+    if (nargs != 7 || !read_run(args, 6, f, &k) || !steps_done_by(f[0], f[1], f[2], f[3], f[4], f[5], k, &done, &seconds))
+        return fallback(py_steps_done_by, args, nargs);
+    if (isnan(seconds))
+        return Py_BuildValue("(LO)", done, Py_None);
+    return Py_BuildValue("(Ld)", done, seconds);
+}
+
+/* decode_steps_done_by(elapsed, overhead, c0, c1, m0, m1, k) -> int */
+static PyObject *
+sim_decode_steps_done_by(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    double f[6], seconds;
+    long long k, done;
+    if (nargs != 7 || !read_run(args, 6, f, &k) || !steps_done_by(f[0], f[1], f[2], f[3], f[4], f[5], k, &done, &seconds))
+        return fallback(py_done_by, args, nargs);
+    return PyLong_FromLongLong(done);
+}
+
+/* decode_run_cut(elapsed, overhead, c0, c1, m0, m1, k) -> (m, seconds) | None */
+static PyObject *
+sim_decode_run_cut(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    double f[6], seconds;
+    long long k, done;
+    if (nargs != 7 || !read_run(args, 6, f, &k) || !steps_done_by(f[0], f[1], f[2], f[3], f[4], f[5], k, &done, &seconds))
+        return fallback(py_run_cut, args, nargs);
+    long long m = done + 1;
+    if (m >= k)
+        Py_RETURN_NONE;
+    if (isnan(seconds) && !run_time(f[1], f[2], f[3], f[4], f[5], m, &seconds))
+        return fallback(py_run_cut, args, nargs);
+    return Py_BuildValue("(Ld)", m, seconds);
+}
+
+/* An attribute of the meter as a double; 0 if absent or not an exact float / small int. */
+static int
+attr_double(PyObject *obj, PyObject *name, double *out)
+{
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    int ok = as_double(v, out);
+    Py_DECREF(v);
+    return ok;
+}
+
+/* observe_decode_run(speed, overhead, c0, c1, m0, m1, k, batch) -> None */
+static PyObject *
+sim_observe_decode_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    double f[5];
+    long long k, batch;
+    if (nargs != 8 || !read_run(args + 1, 5, f, &k) || !as_count(args[7], &batch))
+        return fallback(py_observe, args, nargs);
+    if (k <= 0)
+        Py_RETURN_NONE;
+    PyObject *speed = args[0];
+    double overhead = f[0], c0 = f[1], c1 = f[2], m0 = f[3], m1 = f[4];
+    double first = overhead + (m0 > c0 ? m0 : c0);
+    double c_last = c0 + c1 * (double)(k - 1), m_last = m0 + m1 * (double)(k - 1);
+    double last = overhead + (m_last > c_last ? m_last : c_last);
+    PyObject *measured_obj = PyObject_GetAttr(speed, str_decode_measured);
+    if (measured_obj == NULL) {
+        PyErr_Clear();
+        return fallback(py_observe, args, nargs);
+    }
+    int measured = PyBool_Check(measured_obj) ? measured_obj == Py_True : -1;
+    Py_DECREF(measured_obj);
+    double est = 0.0, max_jump, alpha;
+    if (measured < 0 || (measured && !attr_double(speed, str_decode_step_s, &est))
+            || !attr_double(speed, str_max_jump, &max_jump) || !attr_double(speed, str_alpha, &alpha)
+            || !(alpha > 0.0 && alpha <= 1.0))
+        return fallback(py_observe, args, nargs);
+    if (!measured)
+        est = first;
+    double jump = max_jump * (1.0 - 1e-9);
+    if (batch <= 0 || c1 < 0 || m1 < 0 || first <= 0 || (last > est ? last : est) > jump * first
+            || last > jump * (first < est ? first : est))
+        return fallback(py_observe, args, nargs);  /* clipping may act: step by step, in Python */
+    double keep = 1.0 - alpha;
+    long long start = measured ? 0 : 1;
+    /* _pieces(c0, c1, m0, m1, k) */
+    double pa[2], pb[2];
+    long long p0[2], p1[2];
+    int npieces;
+    double d0 = c0 - m0, d1 = c1 - m1;
+    if (d1 == 0.0) {
+        npieces = 1;
+        pa[0] = d0 >= 0 ? c0 : m0, pb[0] = d0 >= 0 ? c1 : m1, p0[0] = 0, p1[0] = k;
+    } else {
+        long long cross;
+        npieces = 2;
+        if (d1 > 0) {
+            double x = -d0 / d1;
+            if (!isfinite(x))
+                return fallback(py_observe, args, nargs);
+            cross = clamp_ceil(x, k);
+            pa[0] = m0, pb[0] = m1, pa[1] = c0, pb[1] = c1;
+        } else {
+            if (d0 >= 0) {
+                double x = d0 / -d1;
+                if (!isfinite(x))
+                    return fallback(py_observe, args, nargs);
+                cross = clamp_floor_plus_one(x, k);
+            } else {
+                cross = 0;
+            }
+            pa[0] = c0, pb[0] = c1, pa[1] = m0, pb[1] = m1;
+        }
+        p0[0] = 0, p1[0] = cross, p0[1] = cross, p1[1] = k;
+    }
+    for (int p = 0; p < npieces; p++) {
+        long long i0 = p0[p] < start ? start : p0[p], i1 = p1[p];
+        if (i1 <= i0)
+            continue;
+        double a = pa[p], b = pb[p];
+        double base = overhead + a;
+        est = base + b * ((double)i1 - 1.0 / alpha)
+              + pow(keep, (double)(i1 - i0)) * (est - base - b * ((double)i0 - 1.0 / alpha));
+    }
+    PyObject *est_obj = PyFloat_FromDouble(est);
+    if (est_obj == NULL)
+        return NULL;
+    int rc = PyObject_SetAttr(speed, str_decode_step_s, est_obj);
+    Py_DECREF(est_obj);
+    if (rc < 0 || PyObject_SetAttr(speed, str_decode_measured, Py_True) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* bind(decode_run_time, _steps_done_by, decode_steps_done_by, decode_run_cut, observe_decode_run): the
+ * Python functions to hand over to. */
+static PyObject *
+sim_bind(PyObject *self, PyObject *args)
+{
+    PyObject *f[5];
+    if (!PyArg_ParseTuple(args, "OOOOO", &f[0], &f[1], &f[2], &f[3], &f[4]))
+        return NULL;
+    for (int i = 0; i < 5; i++) {
+        if (!PyCallable_Check(f[i])) {
+            PyErr_SetString(PyExc_TypeError, "bind() takes five callables");
+            return NULL;
+        }
+    }
+    Py_XSETREF(py_run_time, Py_NewRef(f[0]));
+    Py_XSETREF(py_steps_done_by, Py_NewRef(f[1]));
+    Py_XSETREF(py_done_by, Py_NewRef(f[2]));
+    Py_XSETREF(py_run_cut, Py_NewRef(f[3]));
+    Py_XSETREF(py_observe, Py_NewRef(f[4]));
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef sim_methods[] = {
+    {"bind", sim_bind, METH_VARARGS,
+     "bind(decode_run_time, _steps_done_by, decode_steps_done_by, decode_run_cut, observe_decode_run): the Python "
+     "functions for what these cannot answer."},
+    {"decode_run_time", (PyCFunction)(void (*)(void))sim_decode_run_time, METH_FASTCALL,
+     "decode_run_time(overhead, c0, c1, m0, m1, k) -> float"},
+    {"steps_done_by", (PyCFunction)(void (*)(void))sim_steps_done_by, METH_FASTCALL,
+     "steps_done_by(elapsed, overhead, c0, c1, m0, m1, k) -> (done, seconds | None)"},
+    {"decode_steps_done_by", (PyCFunction)(void (*)(void))sim_decode_steps_done_by, METH_FASTCALL,
+     "decode_steps_done_by(elapsed, overhead, c0, c1, m0, m1, k) -> int"},
+    {"decode_run_cut", (PyCFunction)(void (*)(void))sim_decode_run_cut, METH_FASTCALL,
+     "decode_run_cut(elapsed, overhead, c0, c1, m0, m1, k) -> (m, seconds) | None"},
+    {"observe_decode_run", (PyCFunction)(void (*)(void))sim_observe_decode_run, METH_FASTCALL,
+     "observe_decode_run(speed, overhead, c0, c1, m0, m1, k, batch) -> None"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef sim_module = {
+    PyModuleDef_HEAD_INIT, "_simloop", "The closed forms of a simulated decode run, compiled (see simloop.py).", -1,
+    sim_methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC
+PyInit__simloop(void)
+{
+    PyObject *m = PyModule_Create(&sim_module);
+    if (m == NULL)
+        return NULL;
+    str_decode_step_s = PyUnicode_InternFromString("decode_step_s");
+    str_decode_measured = PyUnicode_InternFromString("decode_measured");
+    str_max_jump = PyUnicode_InternFromString("max_jump");
+    str_alpha = PyUnicode_InternFromString("alpha");
+    if (str_decode_step_s == NULL || str_decode_measured == NULL || str_max_jump == NULL || str_alpha == NULL) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,48 @@
+"""The closed forms of a decode run, compiled where they were built (``_simloop.c``), else Python.
+
+The replicas call :func:`decode_run_time`, :func:`decode_run_cut`, :func:`decode_steps_done_by`
+and :func:`observe_decode_run` from here: the C functions when ``bench/sim/_simloop`` was built
+(``setup.py`` makes it optional) and ``PREFIXLB_PURE_PYTHON=1`` is not set, otherwise
+:mod:`bench.sim.decode_run`'s. The results are the same either way (the same float expressions
+in the same order, compared on random runs in tests/unit/test_simloop.py); an argument the C
+functions were not written for (not an exact float or int, a NaN, a meter whose clipping could
+act) is handed to the Python function, which gives Python's answer or error.
+"""
+from __future__ import annotations
+
+from types import ModuleType
+
+from router.routing.hotloop import PURE_PYTHON_ENV
+
+from bench.sim import decode_run
+
+__all__ = ["compiled", "decode_run_cut", "decode_run_time", "decode_steps_done_by", "observe_decode_run"]
+
+
+def load() -> ModuleType | None:
+    """The C module, bound to the Python functions it hands unusual arguments to; or None."""
+    import os
+
+    if os.environ.get(PURE_PYTHON_ENV, "").strip().lower() not in ("", "0", "false", "no"):
+        return None
+    try:
+        from bench.sim import _simloop  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    _simloop.bind(decode_run.decode_run_time, decode_run._steps_done_by, decode_run.decode_steps_done_by,
+                  decode_run.decode_run_cut, decode_run.observe_decode_run)
+    return _simloop
+
+
+compiled: ModuleType | None = load()
+
+if compiled is not None:
+    decode_run_time = compiled.decode_run_time
+    decode_run_cut = compiled.decode_run_cut
+    decode_steps_done_by = compiled.decode_steps_done_by
+    observe_decode_run = compiled.observe_decode_run
+else:
+    decode_run_time = decode_run.decode_run_time
+    decode_run_cut = decode_run.decode_run_cut
+    decode_steps_done_by = decode_run.decode_steps_done_by
+    observe_decode_run = decode_run.observe_decode_run
