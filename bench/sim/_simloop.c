@@ -346,6 +346,308 @@ sim_observe_decode_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/* ------------------------------------------------------------------ the fleet's event loop */
+
+static PyObject *heappush_fn = NULL, *heappop_fn = NULL;
+static PyObject *str_version = NULL, *str_on_event = NULL, *str_first_tokens = NULL, *str_finished = NULL,
+                *str_pool = NULL, *str_events = NULL, *str_take_kv_events = NULL, *str_worker_id = NULL;
+
+/* heapq.heappush(heap, (a, seq, c, d)); steals nothing. -1 on error. */
+static int
+push4(PyObject *heap, PyObject *a, long long seq, PyObject *c, PyObject *d)
+{
+    PyObject *seq_obj = PyLong_FromLongLong(seq);
+    if (seq_obj == NULL)
+        return -1;
+    PyObject *item = PyTuple_Pack(4, a, seq_obj, c, d);
+    Py_DECREF(seq_obj);
+    if (item == NULL)
+        return -1;
+    PyObject *args[2] = {heap, item};
+    PyObject *r = PyObject_Vectorcall(heappush_fn, args, 2, NULL);
+    Py_DECREF(item);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* heapq.heappop(heap), checked to be a tuple of ``size``; NULL on error. */
+static PyObject *
+pop_tuple(PyObject *heap, Py_ssize_t size)
+{
+    PyObject *item = PyObject_Vectorcall(heappop_fn, &heap, 1, NULL);
+    if (item != NULL && (!PyTuple_CheckExact(item) || PyTuple_GET_SIZE(item) != size)) {
+        PyErr_SetString(PyExc_TypeError, "an event heap holds an entry of another shape");
+        Py_CLEAR(item);
+    }
+    return item;
+}
+
+/* A heap's first time (its entries are (time, seq, ...) tuples); -1 with an exception set. */
+static int
+head_time(PyObject *heap, double *out)
+{
+    PyObject *item = PyList_GET_ITEM(heap, 0);
+    if (!PyTuple_CheckExact(item) || PyTuple_GET_SIZE(item) < 1) {
+        PyErr_SetString(PyExc_TypeError, "an event heap holds an entry of another shape");
+        return -1;
+    }
+    double v = PyFloat_AsDouble(PyTuple_GET_ITEM(item, 0));
+    if (v == -1.0 && PyErr_Occurred())
+        return -1;
+    *out = v;
+    return 0;
+}
+
+/* Take ``w.<name>`` (a list) if it is non-empty, leaving a new empty list there: a new reference
+ * to it, Py_None (borrowed, not to be released) when empty, NULL on error. */
+static PyObject *
+take_list(PyObject *w, PyObject *name)
+{
+    PyObject *items = PyObject_GetAttr(w, name);
+    if (items == NULL)
+        return NULL;
+    int truth = PyObject_IsTrue(items);
+    if (truth <= 0) {
+        Py_DECREF(items);
+        return truth < 0 ? NULL : Py_None;
+    }
+    PyObject *fresh = PyList_New(0);
+    if (fresh == NULL || PyObject_SetAttr(w, name, fresh) < 0) {
+        Py_XDECREF(fresh);
+        Py_DECREF(items);
+        return NULL;
+    }
+    Py_DECREF(fresh);
+    return items;
+}
+
+/* Each request of ``reqs`` to ``handler``: at ``when + delay`` through ``delayed`` (``(time, seq,
+ * handler, (req, time))``) when ``delay`` is true, else now as ``handler(req, when)``. */
+static int
+hand_over(PyObject *reqs, PyObject *handler, PyObject *when, PyObject *delay, int delayed_on, PyObject *delayed,
+          long long *seq)
+{
+    PyObject *fast = PySequence_Fast(reqs, "not a list");
+    if (fast == NULL)
+        return -1;
+    int rc = 0;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast) && rc == 0; i++) {
+        PyObject *req = PySequence_Fast_GET_ITEM(fast, i);
+        if (delayed_on) {
+            PyObject *at = PyNumber_Add(when, delay);
+            PyObject *args = at == NULL ? NULL : PyTuple_Pack(2, req, at);
+            *seq += 1;
+            rc = args == NULL ? -1 : push4(delayed, at, *seq, handler, args);
+            Py_XDECREF(args);
+            Py_XDECREF(at);
+        } else {
+            PyObject *args[2] = {req, when};
+            PyObject *r = PyObject_Vectorcall(handler, args, 2, NULL);
+            if (r == NULL)
+                rc = -1;
+            Py_XDECREF(r);
+        }
+    }
+    Py_DECREF(fast);
+    return rc;
+}
+
+/* A replica's KV events (``w.take_kv_events()``, taken only when its pool has some) to ``on_kv``,
+ * as the Python loop hands them over. */
+static int
+hand_over_kv(PyObject *w, PyObject *on_kv, PyObject *when, PyObject *kv_delay, int delayed_on, PyObject *delayed,
+             long long *seq)
+{
+    PyObject *pool = PyObject_GetAttr(w, str_pool);
+    if (pool == NULL)
+        return -1;
+    PyObject *pending = PyObject_GetAttr(pool, str_events);
+    Py_DECREF(pool);
+    if (pending == NULL)
+        return -1;
+    int truth = PyObject_IsTrue(pending);
+    Py_DECREF(pending);
+    if (truth <= 0)
+        return truth;
+    PyObject *events = PyObject_CallMethodNoArgs(w, str_take_kv_events);
+    if (events == NULL)
+        return -1;
+    PyObject *fast = PySequence_Fast(events, "take_kv_events() did not answer a sequence");
+    Py_DECREF(events);
+    if (fast == NULL)
+        return -1;
+    PyObject *worker_id = PyObject_GetAttr(w, str_worker_id);
+    int rc = worker_id == NULL ? -1 : 0;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast) && rc == 0; i++) {
+        PyObject *ev = PySequence_Fast_GET_ITEM(fast, i);
+        if (!PyTuple_Check(ev) || PyTuple_GET_SIZE(ev) != 3) {
+            PyErr_SetString(PyExc_TypeError, "a KV event is not a (kind, hashes, medium) tuple");
+            rc = -1;
+            break;
+        }
+        PyObject *kind = PyTuple_GET_ITEM(ev, 0), *hashes = PyTuple_GET_ITEM(ev, 1), *medium = PyTuple_GET_ITEM(ev, 2);
+        if (delayed_on) {
+            PyObject *at = PyNumber_Add(when, kv_delay);
+            PyObject *args = at == NULL ? NULL : PyTuple_Pack(5, worker_id, kind, hashes, at, medium);
+            *seq += 1;
+            rc = args == NULL ? -1 : push4(delayed, at, *seq, on_kv, args);
+            Py_XDECREF(args);
+            Py_XDECREF(at);
+        } else {
+            PyObject *args[5] = {worker_id, kind, hashes, when, medium};
+            PyObject *r = PyObject_Vectorcall(on_kv, args, 5, NULL);
+            if (r == NULL)
+                rc = -1;
+            Py_XDECREF(r);
+        }
+    }
+    Py_XDECREF(worker_id);
+    Py_DECREF(fast);
+    return rc;
+}
+
+/* drain_events(heap, delayed, workers, t, stop, seq, hop, kv_delay, on_first_token, on_kv, on_finish)
+ *     -> seq | None
+ *
+ * The fleet's event loop (bench/sim/fleet.py, run_until) between two of its heartbeats or report
+ * reads: handles events in time order, exactly as the Python loop's body does, while the next is
+ * at or before ``t``, before ``stop`` and not a delayed call of another handler than the three
+ * given (an adapter's arrival takes sequence numbers of its own: the Python loop calls it).
+ * Returns the last sequence number it gave out, or None if it handled no event. */
+static PyObject *
+sim_drain_events(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 11) {
+        PyErr_SetString(PyExc_TypeError, "drain_events() takes 11 arguments");
+        return NULL;
+    }
+    PyObject *heap = args[0], *delayed = args[1], *workers = args[2];
+    PyObject *hop = args[6], *kv_delay = args[7];
+    PyObject *on_first_token = args[8], *on_kv = args[9], *on_finish = args[10];
+    if (!PyList_CheckExact(heap) || !PyList_CheckExact(delayed) || !PyList_CheckExact(workers)) {
+        PyErr_SetString(PyExc_TypeError, "drain_events() takes the heaps and the workers as lists");
+        return NULL;
+    }
+    double t = PyFloat_AsDouble(args[3]), stop = PyFloat_AsDouble(args[4]);
+    if ((t == -1.0 || stop == -1.0) && PyErr_Occurred())
+        return NULL;
+    int overflow;
+    long long seq = PyLong_AsLongLongAndOverflow(args[5], &overflow);
+    if (overflow || (seq == -1 && PyErr_Occurred())) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_OverflowError, "seq out of range");
+        return NULL;
+    }
+    int hop_on = PyObject_IsTrue(hop), kv_on = PyObject_IsTrue(kv_delay);
+    if (hop_on < 0 || kv_on < 0)
+        return NULL;
+    long long handled = 0;
+    while (PyList_GET_SIZE(heap) || PyList_GET_SIZE(delayed)) {
+        double head = INFINITY, first_delayed = 0.0;
+        if (PyList_GET_SIZE(heap) && head_time(heap, &head) < 0)
+            return NULL;
+        int have_delayed = PyList_GET_SIZE(delayed) > 0;
+        if (have_delayed) {
+            if (head_time(delayed, &first_delayed) < 0)
+                return NULL;
+            if (first_delayed < head)
+                head = first_delayed;
+        }
+        if (head > t || !(head < stop))
+            break;
+        if (have_delayed && first_delayed == head) {
+            PyObject *next = PyList_GET_ITEM(delayed, 0);  /* (time, seq, handler, args): head_time checked a tuple */
+            if (PyTuple_GET_SIZE(next) != 4)
+                break;  /* Python's loop says what it is */
+            PyObject *handler = PyTuple_GET_ITEM(next, 2);
+            if (handler != on_first_token && handler != on_kv && handler != on_finish)
+                break;  /* another handler (an adapter's arrival) may take sequence numbers: Python calls it */
+            PyObject *item = pop_tuple(delayed, 4);
+            if (item == NULL)
+                return NULL;
+            PyObject *r = PyObject_Call(PyTuple_GET_ITEM(item, 2), PyTuple_GET_ITEM(item, 3), NULL);
+            Py_DECREF(item);
+            if (r == NULL)
+                return NULL;
+            Py_DECREF(r);
+            handled++;
+            continue;
+        }
+        PyObject *item = pop_tuple(heap, 4);
+        if (item == NULL)
+            return NULL;
+        PyObject *when = PyTuple_GET_ITEM(item, 0), *wi = PyTuple_GET_ITEM(item, 2);
+        Py_ssize_t index = PyNumber_AsSsize_t(wi, PyExc_IndexError);
+        PyObject *w = NULL, *version = NULL, *nxt = NULL, *reqs = NULL;
+        int ok = 0;
+        if (index == -1 && PyErr_Occurred())
+            goto event_done;
+        if (index < 0 || index >= PyList_GET_SIZE(workers)) {
+            PyErr_SetString(PyExc_IndexError, "worker index out of range");
+            goto event_done;
+        }
+        w = Py_NewRef(PyList_GET_ITEM(workers, index));
+        version = PyObject_GetAttr(w, str_version);
+        if (version == NULL)
+            goto event_done;
+        int stale = PyObject_RichCompareBool(PyTuple_GET_ITEM(item, 3), version, Py_NE);
+        Py_CLEAR(version);
+        if (stale < 0)
+            goto event_done;
+        if (stale) {
+            ok = 1;
+            goto event_done;
+        }
+        nxt = PyObject_CallMethodOneArg(w, str_on_event, when);
+        if (nxt == NULL)
+            goto event_done;
+        reqs = take_list(w, str_first_tokens);  /* (w.take_first_tokens(), without the call on every event) */
+        if (reqs == NULL)
+            goto event_done;
+        if (reqs != Py_None) {
+            int rc = hand_over(reqs, on_first_token, when, hop, hop_on, delayed, &seq);
+            Py_CLEAR(reqs);
+            if (rc < 0)
+                goto event_done;
+        }
+        reqs = NULL;
+        if (hand_over_kv(w, on_kv, when, kv_delay, kv_on, delayed, &seq) < 0)
+            goto event_done;
+        reqs = take_list(w, str_finished);
+        if (reqs == NULL)
+            goto event_done;
+        if (reqs != Py_None) {
+            int rc = hand_over(reqs, on_finish, when, hop, hop_on, delayed, &seq);
+            Py_CLEAR(reqs);
+            if (rc < 0)
+                goto event_done;
+        }
+        reqs = NULL;
+        if (nxt != Py_None) {
+            version = PyObject_GetAttr(w, str_version);
+            if (version == NULL)
+                goto event_done;
+            seq += 1;
+            if (push4(heap, nxt, seq, wi, version) < 0)
+                goto event_done;
+        }
+        ok = 1;
+    event_done:
+        Py_XDECREF(version);
+        Py_XDECREF(nxt);
+        Py_XDECREF(w);
+        Py_DECREF(item);
+        if (!ok)
+            return NULL;
+        handled++;
+    }
+    if (!handled)
+        Py_RETURN_NONE;
+    return PyLong_FromLongLong(seq);
+}
+
 /* bind(decode_run_time, _steps_done_by, decode_steps_done_by, decode_run_cut, observe_decode_run): the
  * Python functions to hand over to. */
 static PyObject *
@@ -382,6 +684,9 @@ static PyMethodDef sim_methods[] = {
      "decode_run_cut(elapsed, overhead, c0, c1, m0, m1, k) -> (m, seconds) | None"},
     {"observe_decode_run", (PyCFunction)(void (*)(void))sim_observe_decode_run, METH_FASTCALL,
      "observe_decode_run(speed, overhead, c0, c1, m0, m1, k, batch) -> None"},
+    {"drain_events", (PyCFunction)(void (*)(void))sim_drain_events, METH_FASTCALL,
+     "drain_events(heap, delayed, workers, t, stop, seq, hop, kv_delay, on_first_token, on_kv, on_finish)"
+     " -> seq | None"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -400,7 +705,24 @@ PyInit__simloop(void)
     str_decode_measured = PyUnicode_InternFromString("decode_measured");
     str_max_jump = PyUnicode_InternFromString("max_jump");
     str_alpha = PyUnicode_InternFromString("alpha");
-    if (str_decode_step_s == NULL || str_decode_measured == NULL || str_max_jump == NULL || str_alpha == NULL) {
+    str_version = PyUnicode_InternFromString("version");
+    str_on_event = PyUnicode_InternFromString("on_event");
+    str_first_tokens = PyUnicode_InternFromString("first_tokens");
+    str_finished = PyUnicode_InternFromString("finished");
+    str_pool = PyUnicode_InternFromString("pool");
+    str_events = PyUnicode_InternFromString("_events");
+    str_take_kv_events = PyUnicode_InternFromString("take_kv_events");
+    str_worker_id = PyUnicode_InternFromString("worker_id");
+    PyObject *heapq = PyImport_ImportModule("_heapq");
+    if (heapq != NULL) {
+        heappush_fn = PyObject_GetAttrString(heapq, "heappush");
+        heappop_fn = PyObject_GetAttrString(heapq, "heappop");
+        Py_DECREF(heapq);
+    }
+    if (str_decode_step_s == NULL || str_decode_measured == NULL || str_max_jump == NULL || str_alpha == NULL
+            || str_version == NULL || str_on_event == NULL || str_first_tokens == NULL || str_finished == NULL
+            || str_pool == NULL || str_events == NULL || str_take_kv_events == NULL || str_worker_id == NULL
+            || heappush_fn == NULL || heappop_fn == NULL) {
         Py_DECREF(m);
         return NULL;
     }

@@ -1,4 +1,4 @@
-"""The closed forms of a decode run, compiled where they were built (``_simloop.c``), else Python.
+"""The simulator's innermost loops, compiled where they were built (``_simloop.c``), else Python.
 
 The replicas call :func:`decode_run_time`, :func:`decode_run_cut`, :func:`decode_steps_done_by`
 and :func:`observe_decode_run` from here: the C functions when ``bench/sim/_simloop`` was built
@@ -7,6 +7,10 @@ and :func:`observe_decode_run` from here: the C functions when ``bench/sim/_siml
 in the same order, compared on random runs in tests/unit/test_simloop.py); an argument the C
 functions were not written for (not an exact float or int, a NaN, a meter whose clipping could
 act) is handed to the Python function, which gives Python's answer or error.
+
+:data:`drain_events` is the body of the fleet's event loop (``bench.sim.fleet``), or None: the
+fleet then runs its Python loop (the same events in the same order, compared run by run in
+tests/unit/test_simloop.py).
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from router.routing.hotloop import PURE_PYTHON_ENV
 
 from bench.sim import decode_run
 
-__all__ = ["compiled", "decode_run_cut", "decode_run_time", "decode_steps_done_by", "observe_decode_run"]
+__all__ = ["compiled", "decode_run_cut", "decode_run_time", "decode_steps_done_by", "drain_events", "observe_decode_run"]
 
 
 def load() -> ModuleType | None:
@@ -41,8 +45,10 @@ if compiled is not None:
     decode_run_cut = compiled.decode_run_cut
     decode_steps_done_by = compiled.decode_steps_done_by
     observe_decode_run = compiled.observe_decode_run
+    drain_events = compiled.drain_events
 else:
     decode_run_time = decode_run.decode_run_time
     decode_run_cut = decode_run.decode_run_cut
     decode_steps_done_by = decode_run.decode_steps_done_by
     observe_decode_run = decode_run.observe_decode_run
+    drain_events = None

@@ -1,6 +1,9 @@
-"""The compiled decode-run closed forms (bench/sim/_simloop.c) answer exactly as the Python ones do.
+"""The simulator's compiled loops (bench/sim/_simloop.c) answer exactly as the Python ones do.
 
-Random runs in both roofline regimes and across their crossing (compute- and memory-bound
+The fleet's event loop: whole simulations -- delays on every path or none, heartbeats polled or
+read at once, adapters read from disk (a delayed arrival the Python loop takes), the CPU KV tier
+-- run with the compiled body and with the Python one and must give the same records and
+metadata. The decode runs' closed forms: random runs in both roofline regimes and across their crossing (compute- and memory-bound
 first, parallel lines, runs of 1 to 10,000 steps, cuts at any elapsed time) go through both
 :mod:`bench.sim.decode_run` and the C module; every time, cut and speed estimate must be the same
 float to the bit (compared as ``float.hex()``). Arguments the C functions were not written for
@@ -20,6 +23,9 @@ from router.routing.hotloop import PURE_PYTHON_ENV
 from worker.engine.stats import SpeedMeter
 
 from bench.sim import decode_run, simloop
+from bench.sim.fleet import FleetConfig, simulate
+from bench.sim.router import SimRouterConfig
+from bench.workloads import load_workload
 
 C = simloop.compiled
 needs_c = pytest.mark.skipif(C is None, reason="bench/sim/_simloop is not built (no compiler, or PREFIXLB_PURE_PYTHON)")
@@ -130,3 +136,26 @@ def test_a_meter_whose_clipping_acts_is_folded_step_by_step_as_in_python():
             fold(speed, 0.0, 1e-3, 1e-3, 1e-3, 0.0, 50, 8)
             meters.append((speed.decode_step_s.hex(), speed.decode_measured))
         assert meters[0] == meters[1]
+
+
+@needs_c
+@pytest.mark.parametrize("workload, workers, router, extra", [
+    ("system-prompt", 8, dict(report_poll_s=1.0, kv_event_delay_s=0.02, hop_s=0.0005), {}),
+    ("multi-turn", 6, dict(report_poll_s=0.0, kv_event_delay_s=0.0, hop_s=0.0), {}),
+    ("multi-turn", 6, dict(report_interval_s=0.0, kv_event_delay_s=0.01, hop_s=0.0), dict(cpu_kv_ratio=2.0)),
+    ("multi-lora", 4, dict(report_poll_s=0.5, kv_event_delay_s=0.02, hop_s=0.0005), dict(max_loras=2)),
+    ("conversation", 5, dict(report_poll_s=1.0, kv_event_delay_s=0.02, hop_s=0.0005), {}),
+])
+def test_the_compiled_event_loop_gives_the_same_simulation_as_the_python_loop(monkeypatch, workload, workers, router,
+                                                                                extra):
+    requests = load_workload(workload, seed=3, num_requests=500)
+    cfg = FleetConfig(workers=workers, unit=64, kv_blocks=2000, router=SimRouterConfig(**router), **extra)
+    compiled = simulate(requests, cfg)
+    monkeypatch.setattr(simloop, "drain_events", None)
+    pure = simulate(requests, cfg)
+    assert compiled.records == pure.records
+    assert {k: v for k, v in compiled.meta.items() if k != "wall_s"} == {k: v for k, v in pure.meta.items()
+                                                                          if k != "wall_s"}
+    assert sum(r.ok for r in pure.records) > 400  # (a conversation may outgrow the context: an error record)
+    if workload == "multi-lora":
+        assert pure.meta["lora"]["disk_loads"] > 0  # delayed arrivals, which the Python loop takes
