@@ -648,6 +648,150 @@ sim_drain_events(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromLongLong(seq);
 }
 
+/* ------------------------------------------------------------------ the decoding requests' heaps */
+
+static PyObject *str_dseq = NULL, *str_blocks = NULL;
+
+/* Whether a heap entry is live: its request's dseq is the entry's (and, with ``nblocks``, the
+ * request holds that many blocks). 1, 0, or -1 with an exception set. */
+static int
+entry_live(PyObject *entry, int with_blocks)
+{
+    Py_ssize_t size = with_blocks ? 4 : 3;
+    if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != size) {
+        PyErr_SetString(PyExc_TypeError, "a decode heap holds an entry of another shape");
+        return -1;
+    }
+    PyObject *req = PyTuple_GET_ITEM(entry, size - 1);
+    PyObject *dseq = PyObject_GetAttr(req, str_dseq);
+    if (dseq == NULL)
+        return -1;
+    int live = PyObject_RichCompareBool(dseq, PyTuple_GET_ITEM(entry, 1), Py_EQ);
+    Py_DECREF(dseq);
+    if (live <= 0 || !with_blocks)
+        return live;
+    PyObject *blocks = PyObject_GetAttr(req, str_blocks);
+    if (blocks == NULL)
+        return -1;
+    Py_ssize_t n = PyObject_Length(blocks);
+    Py_DECREF(blocks);
+    if (n < 0)
+        return -1;
+    PyObject *held = PyLong_FromSsize_t(n);
+    if (held == NULL)
+        return -1;
+    live = PyObject_RichCompareBool(held, PyTuple_GET_ITEM(entry, 2), Py_EQ);
+    Py_DECREF(held);
+    return live;
+}
+
+static int
+drop_top(PyObject *heap)
+{
+    PyObject *item = PyObject_Vectorcall(heappop_fn, &heap, 1, NULL);
+    if (item == NULL)
+        return -1;
+    Py_DECREF(item);
+    return 0;
+}
+
+/* The first live entry's tick (stale ones dropped); IndexError on an empty heap, as Python's heap[0]. */
+static PyObject *
+next_live(PyObject *heap, int with_blocks)
+{
+    if (!PyList_CheckExact(heap)) {
+        PyErr_SetString(PyExc_TypeError, "a decode heap is a list");
+        return NULL;
+    }
+    for (;;) {
+        if (PyList_GET_SIZE(heap) == 0) {
+            PyErr_SetString(PyExc_IndexError, "list index out of range");
+            return NULL;
+        }
+        PyObject *entry = PyList_GET_ITEM(heap, 0);
+        Py_INCREF(entry);
+        int live = entry_live(entry, with_blocks);
+        if (live > 0) {
+            PyObject *tick = Py_NewRef(PyTuple_GET_ITEM(entry, 0));
+            Py_DECREF(entry);
+            return tick;
+        }
+        Py_DECREF(entry);
+        if (live < 0 || drop_top(heap) < 0)
+            return NULL;
+    }
+}
+
+/* The live entries' requests due at ``tick`` (every due entry popped), in heap order. */
+static PyObject *
+pop_due(PyObject *heap, PyObject *tick, int with_blocks)
+{
+    if (!PyList_CheckExact(heap)) {
+        PyErr_SetString(PyExc_TypeError, "a decode heap is a list");
+        return NULL;
+    }
+    PyObject *out = PyList_New(0);
+    if (out == NULL)
+        return NULL;
+    while (PyList_GET_SIZE(heap)) {
+        PyObject *top = PyList_GET_ITEM(heap, 0);
+        if (!PyTuple_CheckExact(top) || PyTuple_GET_SIZE(top) < 1) {
+            PyErr_SetString(PyExc_TypeError, "a decode heap holds an entry of another shape");
+            goto fail;
+        }
+        int due = PyObject_RichCompareBool(PyTuple_GET_ITEM(top, 0), tick, Py_LE);
+        if (due < 0)
+            goto fail;
+        if (!due)
+            break;
+        PyObject *entry = PyObject_Vectorcall(heappop_fn, &heap, 1, NULL);
+        if (entry == NULL)
+            goto fail;
+        int live = entry_live(entry, with_blocks);
+        if (live > 0 && PyList_Append(out, PyTuple_GET_ITEM(entry, with_blocks ? 3 : 2)) < 0)
+            live = -1;
+        Py_DECREF(entry);
+        if (live < 0)
+            goto fail;
+    }
+    return out;
+fail:
+    Py_DECREF(out);
+    return NULL;
+}
+
+static PyObject *
+sim_next_finish(PyObject *self, PyObject *heap)
+{
+    return next_live(heap, 0);
+}
+
+static PyObject *
+sim_next_block_need(PyObject *self, PyObject *heap)
+{
+    return next_live(heap, 1);
+}
+
+static PyObject *
+sim_pop_finished(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "pop_finished(heap, tick)");
+        return NULL;
+    }
+    return pop_due(args[0], args[1], 0);
+}
+
+static PyObject *
+sim_pop_block_needs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "pop_block_needs(heap, tick)");
+        return NULL;
+    }
+    return pop_due(args[0], args[1], 1);
+}
+
 /* bind(decode_run_time, _steps_done_by, decode_steps_done_by, decode_run_cut, observe_decode_run): the
  * Python functions to hand over to. */
 static PyObject *
@@ -684,6 +828,12 @@ static PyMethodDef sim_methods[] = {
      "decode_run_cut(elapsed, overhead, c0, c1, m0, m1, k) -> (m, seconds) | None"},
     {"observe_decode_run", (PyCFunction)(void (*)(void))sim_observe_decode_run, METH_FASTCALL,
      "observe_decode_run(speed, overhead, c0, c1, m0, m1, k, batch) -> None"},
+    {"next_finish", sim_next_finish, METH_O, "next_finish(heap) -> tick (bench/sim/decode_heaps.py)"},
+    {"next_block_need", sim_next_block_need, METH_O, "next_block_need(heap) -> tick (bench/sim/decode_heaps.py)"},
+    {"pop_finished", (PyCFunction)(void (*)(void))sim_pop_finished, METH_FASTCALL,
+     "pop_finished(heap, tick) -> list (bench/sim/decode_heaps.py)"},
+    {"pop_block_needs", (PyCFunction)(void (*)(void))sim_pop_block_needs, METH_FASTCALL,
+     "pop_block_needs(heap, tick) -> list (bench/sim/decode_heaps.py)"},
     {"drain_events", (PyCFunction)(void (*)(void))sim_drain_events, METH_FASTCALL,
      "drain_events(heap, delayed, workers, t, stop, seq, hop, kv_delay, on_first_token, on_kv, on_finish)"
      " -> seq | None"},
@@ -713,6 +863,8 @@ PyInit__simloop(void)
     str_events = PyUnicode_InternFromString("_events");
     str_take_kv_events = PyUnicode_InternFromString("take_kv_events");
     str_worker_id = PyUnicode_InternFromString("worker_id");
+    str_dseq = PyUnicode_InternFromString("dseq");
+    str_blocks = PyUnicode_InternFromString("blocks");
     PyObject *heapq = PyImport_ImportModule("_heapq");
     if (heapq != NULL) {
         heappush_fn = PyObject_GetAttrString(heapq, "heappush");
@@ -722,6 +874,7 @@ PyInit__simloop(void)
     if (str_decode_step_s == NULL || str_decode_measured == NULL || str_max_jump == NULL || str_alpha == NULL
             || str_version == NULL || str_on_event == NULL || str_first_tokens == NULL || str_finished == NULL
             || str_pool == NULL || str_events == NULL || str_take_kv_events == NULL || str_worker_id == NULL
+            || str_dseq == NULL || str_blocks == NULL
             || heappush_fn == NULL || heappop_fn == NULL) {
         Py_DECREF(m);
         return NULL;

@@ -3,7 +3,8 @@
 The fleet's event loop: whole simulations -- delays on every path or none, heartbeats polled or
 read at once, adapters read from disk (a delayed arrival the Python loop takes), the CPU KV tier
 -- run with the compiled body and with the Python one and must give the same records and
-metadata. The decode runs' closed forms: random runs in both roofline regimes and across their crossing (compute- and memory-bound
+metadata. The decoding requests' heaps: random heaps with stale entries read and popped by both
+must answer the same and leave the same heaps. The decode runs' closed forms: random runs in both roofline regimes and across their crossing (compute- and memory-bound
 first, parallel lines, runs of 1 to 10,000 steps, cuts at any elapsed time) go through both
 :mod:`bench.sim.decode_run` and the C module; every time, cut and speed estimate must be the same
 float to the bit (compared as ``float.hex()``). Arguments the C functions were not written for
@@ -22,7 +23,7 @@ import pytest
 from router.routing.hotloop import PURE_PYTHON_ENV
 from worker.engine.stats import SpeedMeter
 
-from bench.sim import decode_run, simloop
+from bench.sim import decode_heaps, decode_run, simloop
 from bench.sim.fleet import FleetConfig, simulate
 from bench.sim.router import SimRouterConfig
 from bench.workloads import load_workload
@@ -159,3 +160,46 @@ def test_the_compiled_event_loop_gives_the_same_simulation_as_the_python_loop(mo
     assert sum(r.ok for r in pure.records) > 400  # (a conversation may outgrow the context: an error record)
     if workload == "multi-lora":
         assert pure.meta["lora"]["disk_loads"] > 0  # delayed arrivals, which the Python loop takes
+
+
+class _Req:
+    __slots__ = ("dseq", "blocks")
+
+    def __init__(self, dseq: int, blocks: int) -> None:
+        self.dseq, self.blocks = dseq, [None] * blocks
+
+
+def _random_heaps(rng: random.Random) -> tuple[list, list]:
+    """A decoding prefix's finish and block heaps, a third of their entries stale."""
+    import heapq
+
+    finish, block = [], []
+    for dseq in range(1, rng.randint(1, 40)):
+        req = _Req(dseq if rng.random() < 0.7 else -1, rng.randint(1, 5))
+        tick = rng.randint(0, 30)
+        heapq.heappush(finish, (tick, dseq, req))
+        nblocks = len(req.blocks) if rng.random() < 0.7 else len(req.blocks) - 1
+        heapq.heappush(block, (rng.randint(0, 30), dseq, nblocks, req))
+    return finish, block
+
+
+@needs_c
+def test_the_decode_heaps_are_read_and_popped_alike():
+    rng = random.Random(5)
+    for _ in range(3000):
+        seed = rng.random()
+        results = []
+        for impl in (C, decode_heaps):
+            finish, block = _random_heaps(random.Random(seed))
+            tick = random.Random(seed).randint(0, 30)
+            out = []
+            for read in (lambda: impl.next_finish(finish), lambda: impl.next_block_need(block)):
+                try:
+                    out.append(read())
+                except IndexError:
+                    out.append("empty")
+            out.append([(r.dseq, len(r.blocks)) for r in impl.pop_finished(finish, tick)])
+            out.append([(r.dseq, len(r.blocks)) for r in impl.pop_block_needs(block, tick)])
+            out.append([(t, d) for t, d, _ in finish] + [(t, d, n) for t, d, n, _ in block])
+            results.append(out)
+        assert results[0] == results[1]
