@@ -10,7 +10,10 @@
  * an unusual value gets Python's own answer or error.
  *
  * The records are slotted dataclasses (Candidate, WorkerLoad): bind() reads each field's slot
- * offset from its member descriptor once, and the loops read and write the slots directly.
+ * offset from its member descriptor once, and the loops read and write the slots directly. A
+ * _DepthLookup's depths (PrefixIndex.depth_of for a worker beyond the longest matches) are read
+ * from the index's dicts here, without a Python call per worker (its ``get`` where they are not
+ * plain dicts and floats).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -23,7 +26,7 @@
 #pragma STDC FP_CONTRACT OFF
 #endif
 
-#define LAYOUT_VERSION 3
+#define LAYOUT_VERSION 4
 
 enum { C_WORKER_ID, C_TOKENS_PER_S, C_CACHED, C_PENDING, C_IN_SYSTEM, C_OVER_LIMIT, C_RING_RANK,
        C_MATCHED, C_SERVICE, C_TRANSFER, C_ADAPTER, C_FIELDS };
@@ -44,6 +47,7 @@ static Py_ssize_t load_off[W_FIELDS];
 static PyObject *not_on_ring = NULL;  /* NOT_ON_RING as a Python int */
 static long long not_on_ring_value = 0;
 static PyObject *zero_int = NULL, *zero_float = NULL, *str_get = NULL;
+static PyObject *str_index = NULL, *str_hashes = NULL, *str_now = NULL, *str_map = NULL, *str_live = NULL;
 
 #define SLOT(obj, off) (*(PyObject **)((char *)(obj) + (off)))
 #define EXACT_INT_LIMIT 9007199254740992LL  /* 2**53: every int below converts to a double exactly */
@@ -179,6 +183,87 @@ int_floor_div(long long a, long long b)
     return q;
 }
 
+/* A _DepthLookup's index, read directly (PrefixIndex.depth_of without a Python call per worker). */
+typedef struct {
+    PyObject *map;     /* index._map: chain hash -> {holder: expiry} (an OrderedDict: dict's lookup) */
+    PyObject *live;    /* index._live: worker id -> its current holder */
+    PyObject *hashes;  /* the prompt's chain hashes (a list) */
+    double now;
+} depth_reader;
+
+/* Fill ``r`` from ``matches`` (a _DepthLookup): 1; 0 where its parts are not what this reads
+ * (then matches.get answers); -1 with an exception set. Holds new references (depth_reader_clear). */
+static int
+depth_reader_init(depth_reader *r, PyObject *matches)
+{
+    r->map = r->live = r->hashes = NULL;
+    PyObject *index = PyObject_GetAttr(matches, str_index), *now = NULL;
+    if (index == NULL)
+        goto missing;
+    r->hashes = PyObject_GetAttr(matches, str_hashes);
+    now = PyObject_GetAttr(matches, str_now);
+    r->map = PyObject_GetAttr(index, str_map);
+    r->live = PyObject_GetAttr(index, str_live);
+    Py_DECREF(index);
+    if (r->hashes == NULL || now == NULL || r->map == NULL || r->live == NULL)
+        goto missing;
+    int ok = PyList_CheckExact(r->hashes) && PyFloat_CheckExact(now)
+             && (PyODict_CheckExact(r->map) || PyDict_CheckExact(r->map)) && PyDict_CheckExact(r->live);
+    if (ok)
+        r->now = PyFloat_AS_DOUBLE(now);
+    Py_DECREF(now);
+    return ok;
+missing:
+    Py_XDECREF(now);
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+        return -1;
+    PyErr_Clear();
+    return 0;
+}
+
+static void
+depth_reader_clear(depth_reader *r)
+{
+    Py_CLEAR(r->map);
+    Py_CLEAR(r->live);
+    Py_CLEAR(r->hashes);
+}
+
+/* PrefixIndex.depth_of(hashes, worker_id, now): how many leading hashes ``wid`` holds unexpired.
+ * >= 0; -1 with an exception set; -2 where an expiry is not a float (matches.get answers). */
+static long long
+read_depth(depth_reader *r, PyObject *wid)
+{
+    PyObject *holder = PyDict_GetItemWithError(r->live, wid);  /* borrowed; no Python code runs below */
+    if (holder == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    long long depth = 0;
+    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(r->hashes); k++) {
+        PyObject *entry = PyDict_GetItemWithError(r->map, PyList_GET_ITEM(r->hashes, k));
+        if (entry == NULL)
+            return PyErr_Occurred() ? -1 : depth;
+        if (!PyDict_CheckExact(entry))
+            return -2;
+        PyObject *expiry = PyDict_GetItemWithError(entry, holder);
+        double e;
+        if (expiry == NULL) {
+            if (PyErr_Occurred())
+                return -1;
+            e = 0.0;  /* entry.get(holder, 0.0) */
+        }
+        else if (PyFloat_CheckExact(expiry)) {
+            e = PyFloat_AS_DOUBLE(expiry);
+        }
+        else {
+            return -2;
+        }
+        if (e <= r->now)
+            return depth;
+        depth++;
+    }
+    return depth;
+}
+
 /* candidates(ids, successors, matches, deep, known, loads, chunk_tokens, cap, now)
  *
  * Balancer.candidate_set's loop for a request with no CPU KV tier in play and no adapter: one
@@ -190,9 +275,15 @@ build_records(PyObject *ids, PyObject *successors, PyObject *matches, int deep, 
               double chunk_tokens, long long cap, double now)
 {
     Py_ssize_t n = PyList_GET_SIZE(ids);
-    PyObject *out = PyList_New(n);
-    if (out == NULL)
+    depth_reader depths = {NULL, NULL, NULL, 0.0};
+    int direct = deep ? depth_reader_init(&depths, matches) : 0;
+    if (direct < 0)
         return NULL;
+    PyObject *out = PyList_New(n);
+    if (out == NULL) {
+        depth_reader_clear(&depths);
+        return NULL;
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *wid = PyList_GET_ITEM(ids, i);  /* ``ids`` is the caller's own list, not Python's */
         PyObject *w = PyDict_GetItemWithError(loads, wid);
@@ -211,7 +302,14 @@ build_records(PyObject *ids, PyObject *successors, PyObject *matches, int deep, 
             goto error;
         }
         else if (deep) {
-            matched = PyObject_CallMethodObjArgs(matches, str_get, wid, zero_int, NULL);
+            /* matches.get(wid, 0): its depth_of(...) or 0, read here where the index is plain dicts */
+            long long depth = direct ? read_depth(&depths, wid) : -2;
+            if (depth == -1) {
+                Py_DECREF(w);
+                goto error;
+            }
+            matched = depth >= 0 ? PyLong_FromLongLong(depth)
+                                 : PyObject_CallMethodObjArgs(matches, str_get, wid, zero_int, NULL);
             if (matched == NULL) {
                 Py_DECREF(w);
                 goto error;
@@ -318,11 +416,14 @@ build_records(PyObject *ids, PyObject *successors, PyObject *matches, int deep, 
         SLOT(c, candidate_off[C_ADAPTER]) = Py_NewRef(zero_float);
         PyList_SET_ITEM(out, i, c);
     }
+    depth_reader_clear(&depths);
     return out;
 fallback:
+    depth_reader_clear(&depths);
     Py_DECREF(out);
     Py_RETURN_NOTIMPLEMENTED;
 error:
+    depth_reader_clear(&depths);
     Py_DECREF(out);
     return NULL;
 }
@@ -1033,7 +1134,13 @@ PyInit__hotloop(void)
     zero_int = PyLong_FromLong(0);
     zero_float = PyFloat_FromDouble(0.0);
     str_get = PyUnicode_InternFromString("get");
-    if (zero_int == NULL || zero_float == NULL || str_get == NULL
+    str_index = PyUnicode_InternFromString("_index");
+    str_hashes = PyUnicode_InternFromString("_hashes");
+    str_now = PyUnicode_InternFromString("_now");
+    str_map = PyUnicode_InternFromString("_map");
+    str_live = PyUnicode_InternFromString("_live");
+    if (zero_int == NULL || zero_float == NULL || str_get == NULL || str_index == NULL || str_hashes == NULL
+            || str_now == NULL || str_map == NULL || str_live == NULL
             || PyModule_AddIntConstant(m, "LAYOUT_VERSION", LAYOUT_VERSION) < 0) {
         Py_DECREF(m);
         return NULL;

@@ -18,7 +18,7 @@ from types import ModuleType
 from router.routing.load import WorkerLoad
 from router.routing.policy import NOT_ON_RING, Candidate
 
-LAYOUT_VERSION = 3  # the C module's LAYOUT_VERSION this code calls it with
+LAYOUT_VERSION = 4  # the C module's LAYOUT_VERSION this code calls it with
 PURE_PYTHON_ENV = "PREFIXLB_PURE_PYTHON"
 
 
