@@ -26,7 +26,7 @@
 #pragma STDC FP_CONTRACT OFF
 #endif
 
-#define LAYOUT_VERSION 4
+#define LAYOUT_VERSION 5
 
 enum { C_WORKER_ID, C_TOKENS_PER_S, C_CACHED, C_PENDING, C_IN_SYSTEM, C_OVER_LIMIT, C_RING_RANK,
        C_MATCHED, C_SERVICE, C_TRANSFER, C_ADAPTER, C_FIELDS };
@@ -35,10 +35,12 @@ static const char *const CANDIDATE_FIELDS[C_FIELDS] = {
     "matched_chunks", "service_s", "transfer_s", "adapter_s"};
 
 enum { W_BUSY_UNTIL, W_SLOT_WAIT, W_RATE_NOW, W_IN_SYSTEM, W_OVER_LIMIT_NOW, W_SERVICE, W_BLOCK, W_HEAP_VERSION,
-       W_ROUTABLE, W_FIELDS };
+       W_ROUTABLE, W_PREFILL_RATE, W_DECODE_STEP, W_BATCHED, W_MAX_SEQS, W_RUNNING, W_RUNNING_TOKENS, W_CAPACITY,
+       W_MAX_INFLIGHT, W_CAP, W_TICKETS, W_FIELDS };
 static const char *const LOAD_FIELDS[W_FIELDS] = {
     "busy_until", "slot_wait_s", "rate_now", "in_system", "over_limit_now", "service_s", "block_size",
-    "heap_version", "routable"};
+    "heap_version", "routable", "prefill_tokens_per_s", "decode_step_s", "max_num_batched_tokens", "max_num_seqs",
+    "reported_running", "reported_running_tokens", "capacity_tokens", "max_inflight", "cap", "tickets"};
 
 static PyTypeObject *candidate_type = NULL;
 static PyTypeObject *load_type = NULL;
@@ -1103,8 +1105,94 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------ the LoadBoard's cached figures */
+
+static PyObject *py_refresh = NULL;  /* router.routing.load's Python _refresh (bind_refresh) */
+
+/* Replace a WorkerLoad slot's value with ``value`` (a new reference, stolen). */
+static void
+set_slot(PyObject *w, int field, PyObject *value)
+{
+    PyObject **slot = &SLOT(w, load_off[field]);
+    PyObject *old = *slot;
+    *slot = value;
+    Py_XDECREF(old);
+}
+
+/* refresh(w): router.routing.load._refresh -- a worker's rate_now, slot_wait_s and over_limit_now
+ * from its fields -- with the same expressions in the same order; the Python function where a
+ * field is not what this was written for (or where Python divides by zero). */
+static PyObject *
+hot_refresh(PyObject *self, PyObject *w)
+{
+    if (load_type == NULL || py_refresh == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "_hotloop.refresh: bind() and bind_refresh() first");
+        return NULL;
+    }
+    double prefill_rate, decode_step, service;
+    long long in_system, running, batched, max_seqs, tokens, capacity, max_inflight, cap;
+    if (!Py_IS_TYPE(w, load_type)
+            || !number(SLOT(w, load_off[W_PREFILL_RATE]), &prefill_rate) || prefill_rate == 0.0
+            || !number(SLOT(w, load_off[W_DECODE_STEP]), &decode_step)
+            || !number(SLOT(w, load_off[W_SERVICE]), &service)
+            || !small_int(SLOT(w, load_off[W_IN_SYSTEM]), &in_system)
+            || !small_int(SLOT(w, load_off[W_RUNNING]), &running)
+            || !small_int(SLOT(w, load_off[W_BATCHED]), &batched)
+            || !small_int(SLOT(w, load_off[W_MAX_SEQS]), &max_seqs)
+            || !small_int(SLOT(w, load_off[W_RUNNING_TOKENS]), &tokens)
+            || !small_int(SLOT(w, load_off[W_CAPACITY]), &capacity)
+            || !small_int(SLOT(w, load_off[W_MAX_INFLIGHT]), &max_inflight)
+            || !small_int(SLOT(w, load_off[W_CAP]), &cap)
+            || SLOT(w, load_off[W_TICKETS]) == NULL || !PyAnySet_CheckExact(SLOT(w, load_off[W_TICKETS])))
+        return PyObject_CallOneArg(py_refresh, w);
+    double base = 1.0 / prefill_rate;
+    if (in_system > 0 || running > 0)
+        base += decode_step / (double)(batched > 1 ? batched : 1);
+    if (base == 0.0)
+        return PyObject_CallOneArg(py_refresh, w);  /* Python raises ZeroDivisionError */
+    double slots = (double)max_seqs;
+    if (capacity > 0 && running > 0 && tokens > 0) {
+        /* running * capacity_tokens / tokens: Python's exact int product, then its correctly
+         * rounded int division -- the same double while the product is exact as a double */
+        if (capacity >= EXACT_INT_LIMIT / running)
+            return PyObject_CallOneArg(py_refresh, w);
+        double kv = (double)(running * capacity) / (double)tokens;
+        if (kv < (double)max_seqs)
+            slots = kv > 1.0 ? kv : 1.0;
+    }
+    double ahead = (double)(in_system + 1) - slots;
+    double wait = ahead > 0 ? ahead * service / slots : 0.0;
+    int over = in_system >= max_inflight || (cap > 0 && PySet_GET_SIZE(SLOT(w, load_off[W_TICKETS])) >= cap);
+    PyObject *rate_obj = PyFloat_FromDouble(1.0 / base);
+    if (rate_obj == NULL)
+        return NULL;
+    PyObject *wait_obj = PyFloat_FromDouble(wait);
+    if (wait_obj == NULL) {
+        Py_DECREF(rate_obj);
+        return NULL;
+    }
+    set_slot(w, W_RATE_NOW, rate_obj);
+    set_slot(w, W_SLOT_WAIT, wait_obj);
+    set_slot(w, W_OVER_LIMIT_NOW, Py_NewRef(over ? Py_True : Py_False));
+    Py_RETURN_NONE;
+}
+
+/* bind_refresh(_refresh): the Python function refresh() hands what it was not written for to. */
+static PyObject *
+hot_bind_refresh(PyObject *self, PyObject *fn)
+{
+    if (!PyCallable_Check(fn)) {
+        PyErr_SetString(PyExc_TypeError, "bind_refresh() takes a callable");
+        return NULL;
+    }
+    Py_XSETREF(py_refresh, Py_NewRef(fn));
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef hot_methods[] = {
     {"bind", hot_bind, METH_VARARGS, "bind(Candidate, WorkerLoad, NOT_ON_RING): learn the records' slot layouts."},
+    {"bind_refresh", hot_bind_refresh, METH_O, "bind_refresh(_refresh): the Python refresh for what refresh() cannot do."},
+    {"refresh", hot_refresh, METH_O, "refresh(w): a WorkerLoad's rate_now, slot_wait_s and over_limit_now brought up to date."},
     {"candidates", (PyCFunction)(void (*)(void))hot_candidates, METH_FASTCALL,
      "candidates(ids, successors, matches, deep, known, loads, chunk_tokens, cap, now) -> list | NotImplemented"},
     {"choose", (PyCFunction)(void (*)(void))hot_choose, METH_FASTCALL,

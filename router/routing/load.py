@@ -158,10 +158,12 @@ class WorkerLoad:
         return self.in_system >= self.max_inflight or (self.cap > 0 and len(self.tickets) >= self.cap)
 
 
-def _refresh(w: WorkerLoad) -> None:
+def refresh_python(w: WorkerLoad) -> None:
+    """Bring ``w``'s cached ``rate_now``, ``slot_wait_s`` and ``over_limit_now`` up to date (Python)."""
     # WorkerLoad.rate(), slot_wait() (with slots()) and over_limit() written out, the same
     # expressions in the same order (so the same floats): every dispatch, first byte, finish and
-    # report refreshes them, millions of times in a simulated run.
+    # report refreshes them, millions of times in a simulated run. (``_refresh`` below: this, or
+    # the same in C where router/routing/_hotloop.c was built; tests/unit/test_hotloop.py.)
     base = 1.0 / w.prefill_tokens_per_s
     in_system = w.in_system
     running = w.reported_running
@@ -178,6 +180,9 @@ def _refresh(w: WorkerLoad) -> None:
     ahead = in_system + 1 - slots
     w.slot_wait_s = ahead * w.service_s / slots if ahead > 0 else 0.0
     w.over_limit_now = in_system >= w.max_inflight or (w.cap > 0 and len(w.tickets) >= w.cap)
+
+
+_refresh = refresh_python  # router.routing.hotloop puts the compiled one here where it was built
 
 
 class LoadBoard:

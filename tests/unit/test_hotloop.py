@@ -466,3 +466,43 @@ def test_least_loaded_puts_each_entry_back_once_when_a_comparison_fails():
         assert set(kept) <= {id(entry) for entry in original}, n
         assert len(live - set(kept)) <= 1, n  # stale entries may go for good, as in Python's loop
     assert failures == total
+
+
+@needs_c
+def test_a_workers_cached_figures_are_refreshed_to_the_same_floats_in_c_and_python():
+    """LoadBoard's refresh (rate_now, slot_wait_s, over_limit_now) on random workers, both ways, to the bit."""
+    from router.routing import load as board_module
+    from router.routing.load import WorkerLoad
+
+    assert board_module._refresh is C_LOOPS.refresh  # what the board calls once the C module is bound
+    rng = random.Random(11)
+    for _ in range(20_000):
+        fields = dict(worker_id="w", prefill_tokens_per_s=rng.choice([rng.uniform(100, 50_000), 4000, 1e-300]),
+                      decode_step_s=rng.uniform(1e-3, 0.1), max_num_batched_tokens=rng.choice([0, 1, 512, 8192]),
+                      max_num_seqs=rng.choice([1, 64, 256]), block_size=16, max_inflight=rng.choice([2, 128, 512]),
+                      service_s=rng.uniform(0.01, 5.0))
+        a, b = WorkerLoad(**fields), WorkerLoad(**fields)
+        state = dict(in_system=rng.choice([0, 1, rng.randint(0, 600)]),
+                     reported_running=rng.choice([0, rng.randint(0, 300)]),
+                     reported_running_tokens=rng.choice([0, rng.randint(1, 2_000_000)]),
+                     capacity_tokens=rng.choice([0, rng.randint(1, 3_000_000)]), cap=rng.choice([0, 0, 1, 3]))
+        tickets = rng.randint(0, 4)
+        for w in (a, b):
+            for name, value in state.items():
+                setattr(w, name, value)
+            w.tickets = set(range(tickets))
+        C_LOOPS.refresh(a)
+        board_module.refresh_python(b)
+        assert (a.rate_now.hex(), a.slot_wait_s.hex(), a.over_limit_now) == \
+               (b.rate_now.hex(), b.slot_wait_s.hex(), b.over_limit_now), fields
+    # a value it was not written for goes to Python: the same answer, or the same error
+    odd = WorkerLoad("w", 0.0, 0.02, 512, 64, 16, 128, 1.0)
+    with pytest.raises(ZeroDivisionError):
+        C_LOOPS.refresh(odd)
+    big = WorkerLoad("w", 5000.0, 0.02, 512, 64, 16, 128, 1.0)
+    big.reported_running, big.reported_running_tokens, big.capacity_tokens = 3, 7, 2**62
+    twin = WorkerLoad("w", 5000.0, 0.02, 512, 64, 16, 128, 1.0)
+    twin.reported_running, twin.reported_running_tokens, twin.capacity_tokens = 3, 7, 2**62
+    C_LOOPS.refresh(big)
+    board_module.refresh_python(twin)
+    assert (big.rate_now, big.slot_wait_s, big.over_limit_now) == (twin.rate_now, twin.slot_wait_s, twin.over_limit_now)

@@ -1,14 +1,15 @@
 """The simulator's compiled loops (bench/sim/_simloop.c) answer exactly as the Python ones do.
 
-The fleet's event loop: whole simulations -- delays on every path or none, heartbeats polled or
-read at once, adapters read from disk (a delayed arrival the Python loop takes), the CPU KV tier
--- run with the compiled body and with the Python one and must give the same records and
-metadata. The decoding requests' heaps: random heaps with stale entries read and popped by both
-must answer the same and leave the same heaps. The decode runs' closed forms: random runs in both roofline regimes and across their crossing (compute- and memory-bound
-first, parallel lines, runs of 1 to 10,000 steps, cuts at any elapsed time) go through both
-:mod:`bench.sim.decode_run` and the C module; every time, cut and speed estimate must be the same
-float to the bit (compared as ``float.hex()``). Arguments the C functions were not written for
-(ints, NaN, a meter whose clipping acts) must give Python's answer or error too.
+The fleet's event loop: whole simulations -- delays on every path or none, heartbeats polled or read
+at once, adapters read from disk (a delayed arrival the Python loop takes), the CPU KV tier -- run
+with the compiled body and with the Python one and must give the same records and metadata. The
+decoding requests' heaps: random heaps with stale entries read and popped by both must answer the
+same and leave the same heaps. The decode runs' closed forms: random runs in both roofline regimes
+and across their crossing (compute- and memory-bound first, parallel lines, runs of 1 to 10,000
+steps, cuts at any elapsed time) go through both :mod:`bench.sim.decode_run` and the C module; every
+time, cut and speed estimate must be the same float to the bit (compared as ``float.hex()``).
+Arguments the C functions were not written for (ints, NaN, a meter whose clipping acts) must give
+Python's answer or error too.
 """
 from __future__ import annotations
 
