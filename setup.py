@@ -5,12 +5,15 @@ without a C compiler the install goes on without them and the router and the sim
 Python loops, which give the same results. ``-ffp-contract=off``: no fused multiply-add, which
 rounds once where Python rounds twice (GCC fuses by default where the target has FMA: aarch64, or
 x86 with -march=haswell), so the floats stay bit-identical to the Python loops'."""
+import os
 import sys
 
 from setuptools import Extension, setup
 
 FLAGS = [] if sys.platform == "win32" else ["-ffp-contract=off"]
-setup(ext_modules=[Extension("router.routing._hotloop", ["router/routing/_hotloop.c"], optional=True,
-                             extra_compile_args=FLAGS),
-                   Extension("bench.sim._simloop", ["bench/sim/_simloop.c"], optional=True,
-                             extra_compile_args=FLAGS)])
+EXTENSIONS = [Extension("router.routing._hotloop", ["router/routing/_hotloop.c"], optional=True,
+                        extra_compile_args=FLAGS)]
+if os.path.exists("bench/sim/_simloop.c"):  # the router's image is built without bench/
+    EXTENSIONS.append(Extension("bench.sim._simloop", ["bench/sim/_simloop.c"], optional=True,
+                                extra_compile_args=FLAGS))
+setup(ext_modules=EXTENSIONS)
