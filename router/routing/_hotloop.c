@@ -26,7 +26,7 @@
 #pragma STDC FP_CONTRACT OFF
 #endif
 
-#define LAYOUT_VERSION 5
+#define LAYOUT_VERSION 6
 
 enum { C_WORKER_ID, C_TOKENS_PER_S, C_CACHED, C_PENDING, C_IN_SYSTEM, C_OVER_LIMIT, C_RING_RANK,
        C_MATCHED, C_SERVICE, C_TRANSFER, C_ADAPTER, C_FIELDS };
@@ -36,11 +36,11 @@ static const char *const CANDIDATE_FIELDS[C_FIELDS] = {
 
 enum { W_BUSY_UNTIL, W_SLOT_WAIT, W_RATE_NOW, W_IN_SYSTEM, W_OVER_LIMIT_NOW, W_SERVICE, W_BLOCK, W_HEAP_VERSION,
        W_ROUTABLE, W_PREFILL_RATE, W_DECODE_STEP, W_BATCHED, W_MAX_SEQS, W_RUNNING, W_RUNNING_TOKENS, W_CAPACITY,
-       W_MAX_INFLIGHT, W_CAP, W_TICKETS, W_FIELDS };
+       W_MAX_INFLIGHT, W_CAP, W_TICKETS, W_WORKER_ID, W_FIELDS };
 static const char *const LOAD_FIELDS[W_FIELDS] = {
     "busy_until", "slot_wait_s", "rate_now", "in_system", "over_limit_now", "service_s", "block_size",
     "heap_version", "routable", "prefill_tokens_per_s", "decode_step_s", "max_num_batched_tokens", "max_num_seqs",
-    "reported_running", "reported_running_tokens", "capacity_tokens", "max_inflight", "cap", "tickets"};
+    "reported_running", "reported_running_tokens", "capacity_tokens", "max_inflight", "cap", "tickets", "worker_id"};
 
 static PyTypeObject *candidate_type = NULL;
 static PyTypeObject *load_type = NULL;
@@ -1177,21 +1177,90 @@ hot_refresh(PyObject *self, PyObject *w)
     Py_RETURN_NONE;
 }
 
-/* bind_refresh(_refresh): the Python function refresh() hands what it was not written for to. */
+static PyObject *py_push = NULL;  /* router.routing.load's Python push (bind_refresh) */
+static PyObject *str_counter = NULL, *str_heap = NULL, *str_workers = NULL, *str_compact = NULL;
+static PyObject *heappush_fn = NULL;
+
+/* push(board, w): router.routing.load.push_python -- ``w`` on the board's least-loaded heap at its
+ * busy_until with the counter's next version, the heap compacted when it has grown 4x -- or the
+ * Python function where the board's parts are not a list, a dict and an iterator. */
 static PyObject *
-hot_bind_refresh(PyObject *self, PyObject *fn)
+hot_push(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (!PyCallable_Check(fn)) {
-        PyErr_SetString(PyExc_TypeError, "bind_refresh() takes a callable");
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "push(board, w)");
         return NULL;
     }
-    Py_XSETREF(py_refresh, Py_NewRef(fn));
+    if (load_type == NULL || py_push == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "_hotloop.push: bind() and bind_refresh() first");
+        return NULL;
+    }
+    PyObject *board = args[0], *w = args[1], *result = NULL;
+    PyObject *counter = PyObject_GetAttr(board, str_counter);
+    PyObject *heap = counter == NULL ? NULL : PyObject_GetAttr(board, str_heap);
+    PyObject *workers = heap == NULL ? NULL : PyObject_GetAttr(board, str_workers);
+    if (workers == NULL) {
+        PyErr_Clear();
+        goto python;
+    }
+    if (!Py_IS_TYPE(w, load_type) || !PyIter_Check(counter) || !PyList_CheckExact(heap) || !PyDict_CheckExact(workers)
+            || SLOT(w, load_off[W_BUSY_UNTIL]) == NULL || SLOT(w, load_off[W_WORKER_ID]) == NULL)
+        goto python;
+    PyObject *version = PyIter_Next(counter);
+    if (version == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetNone(PyExc_StopIteration);
+        goto done;
+    }
+    set_slot(w, W_HEAP_VERSION, Py_NewRef(version));
+    PyObject *item = PyTuple_Pack(3, SLOT(w, load_off[W_BUSY_UNTIL]), version, SLOT(w, load_off[W_WORKER_ID]));
+    Py_DECREF(version);
+    if (item == NULL)
+        goto done;
+    PyObject *push_args[2] = {heap, item};
+    PyObject *pushed = PyObject_Vectorcall(heappush_fn, push_args, 2, NULL);
+    Py_DECREF(item);
+    if (pushed == NULL)
+        goto done;
+    Py_DECREF(pushed);
+    if (PyList_GET_SIZE(heap) > 4 * PyDict_GET_SIZE(workers) + 64) {
+        result = PyObject_CallMethodNoArgs(board, str_compact);
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+    goto done;
+python:
+    result = PyObject_Vectorcall(py_push, args, 2, NULL);
+done:
+    Py_XDECREF(counter);
+    Py_XDECREF(heap);
+    Py_XDECREF(workers);
+    return result;
+}
+
+/* bind_refresh(refresh_python, push_python): the Python functions refresh() and push() hand what
+ * they were not written for to. */
+static PyObject *
+hot_bind_refresh(PyObject *self, PyObject *args)
+{
+    PyObject *refresh, *push;
+    if (!PyArg_ParseTuple(args, "OO", &refresh, &push))
+        return NULL;
+    if (!PyCallable_Check(refresh) || !PyCallable_Check(push)) {
+        PyErr_SetString(PyExc_TypeError, "bind_refresh() takes two callables");
+        return NULL;
+    }
+    Py_XSETREF(py_refresh, Py_NewRef(refresh));
+    Py_XSETREF(py_push, Py_NewRef(push));
     Py_RETURN_NONE;
 }
 
 static PyMethodDef hot_methods[] = {
     {"bind", hot_bind, METH_VARARGS, "bind(Candidate, WorkerLoad, NOT_ON_RING): learn the records' slot layouts."},
-    {"bind_refresh", hot_bind_refresh, METH_O, "bind_refresh(_refresh): the Python refresh for what refresh() cannot do."},
+    {"bind_refresh", hot_bind_refresh, METH_VARARGS,
+     "bind_refresh(refresh_python, push_python): the Python functions for what refresh() and push() cannot do."},
+    {"push", (PyCFunction)(void (*)(void))hot_push, METH_FASTCALL,
+     "push(board, w): w on the board's least-loaded heap at its busy_until."},
     {"refresh", hot_refresh, METH_O, "refresh(w): a WorkerLoad's rate_now, slot_wait_s and over_limit_now brought up to date."},
     {"candidates", (PyCFunction)(void (*)(void))hot_candidates, METH_FASTCALL,
      "candidates(ids, successors, matches, deep, known, loads, chunk_tokens, cap, now) -> list | NotImplemented"},
@@ -1227,8 +1296,18 @@ PyInit__hotloop(void)
     str_now = PyUnicode_InternFromString("_now");
     str_map = PyUnicode_InternFromString("_map");
     str_live = PyUnicode_InternFromString("_live");
+    str_counter = PyUnicode_InternFromString("_counter");
+    str_heap = PyUnicode_InternFromString("_heap");
+    str_workers = PyUnicode_InternFromString("_workers");
+    str_compact = PyUnicode_InternFromString("_compact");
+    PyObject *heapq = PyImport_ImportModule("_heapq");
+    if (heapq != NULL) {
+        heappush_fn = PyObject_GetAttrString(heapq, "heappush");
+        Py_DECREF(heapq);
+    }
     if (zero_int == NULL || zero_float == NULL || str_get == NULL || str_index == NULL || str_hashes == NULL
-            || str_now == NULL || str_map == NULL || str_live == NULL
+            || str_now == NULL || str_map == NULL || str_live == NULL || str_counter == NULL || str_heap == NULL
+            || str_workers == NULL || str_compact == NULL || heappush_fn == NULL
             || PyModule_AddIntConstant(m, "LAYOUT_VERSION", LAYOUT_VERSION) < 0) {
         Py_DECREF(m);
         return NULL;
