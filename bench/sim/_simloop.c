@@ -393,7 +393,9 @@ head_time(PyObject *heap, double *out)
         PyErr_SetString(PyExc_TypeError, "an event heap holds an entry of another shape");
         return -1;
     }
+    Py_INCREF(item);  /* held: a time that is not a float converts by its own code */
     double v = PyFloat_AsDouble(PyTuple_GET_ITEM(item, 0));
+    Py_DECREF(item);
     if (v == -1.0 && PyErr_Occurred())
         return -1;
     *out = v;
@@ -739,7 +741,9 @@ pop_due(PyObject *heap, PyObject *tick, int with_blocks)
             PyErr_SetString(PyExc_TypeError, "a decode heap holds an entry of another shape");
             goto fail;
         }
+        Py_INCREF(top);  /* held while its tick is compared (by Python code, were it not an int) */
         int due = PyObject_RichCompareBool(PyTuple_GET_ITEM(top, 0), tick, Py_LE);
+        Py_DECREF(top);
         if (due < 0)
             goto fail;
         if (!due)
