@@ -25,10 +25,10 @@ from worker.simulator.runner import nominal_speed
 from protocol import LoadReport
 
 from bench.records import RequestRecord
+from bench.sim import simloop
 from bench.sim.aggregate import make_worker
 from bench.sim.lora import SimLoRA
 from bench.sim.prompt_hashes import UnitHasher
-from bench.sim import simloop
 from bench.sim.router import NoCapacity, SimRouter, SimRouterConfig
 from bench.sim.worker import SimRequest, SimWorker
 from bench.workloads import Workload

@@ -16,6 +16,7 @@ tests/unit/test_simloop.py).
 """
 from __future__ import annotations
 
+import os
 from types import ModuleType
 
 from router.routing.hotloop import PURE_PYTHON_ENV
@@ -28,8 +29,6 @@ __all__ = ["compiled", "decode_run_cut", "decode_run_time", "decode_steps_done_b
 
 def load() -> ModuleType | None:
     """The C module, bound to the Python functions it hands unusual arguments to; or None."""
-    import os
-
     if os.environ.get(PURE_PYTHON_ENV, "").strip().lower() not in ("", "0", "false", "no"):
         return None
     try:

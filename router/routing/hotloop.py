@@ -43,13 +43,13 @@ def load() -> ModuleType | None:
     except (RuntimeError, TypeError) as exc:  # bound to other types already (a module reloaded), or a layout it cannot read
         warnings.warn(f"router/routing/_hotloop cannot be used here ({exc}): using the Python loops", RuntimeWarning)
         return None
-    # The LoadBoard refreshes a worker's cached figures and re-queues it on its heap millions of
-    # times a simulated run: its module-level refresh and push become the C ones (which hand
-    # anything unusual to the Python ones).
     _hotloop.bind_refresh(load_module.refresh_python, load_module.push_python)
-    load_module._refresh = _hotloop.refresh
-    load_module._push = _hotloop.push
     return _hotloop
 
 
 hot: ModuleType | None = load()
+if hot is not None:
+    # The LoadBoard refreshes a worker's cached figures and re-queues it on its heap millions of
+    # times a simulated run: its module-level refresh and push become the C ones (which hand
+    # anything unusual to the Python ones).
+    load_module._refresh, load_module._push = hot.refresh, hot.push
