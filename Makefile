@@ -16,8 +16,9 @@ $(VENV)/bin/python:
 
 # torch is pinned and installed first so that a CPU machine never pulls a multi-GB CUDA build.
 # `pip install prefixlb` alone is the router; `make run` needs the worker (and installs the rest).
-# The editable install also compiles router/routing/_hotloop.c and router/fleet/_wire.c (setup.py): a changed C source reinstalls.
-$(STAMP): pyproject.toml setup.py router/routing/_hotloop.c router/fleet/_wire.c | $(VENV)/bin/python
+# The editable install also compiles router/routing/_hotloop.c, router/fleet/_wire.c and
+# bench/sim/_simloop.c (setup.py): a changed C source reinstalls.
+$(STAMP): pyproject.toml setup.py router/routing/_hotloop.c router/fleet/_wire.c bench/sim/_simloop.c | $(VENV)/bin/python
 	$(PIP) install -q "torch==$(TORCH_VERSION)"
 	$(PIP) install -q -e '.[worker,bench,k8s]'
 	touch $@

@@ -30,7 +30,7 @@ import heapq
 from worker.engine.kv_cache.kv_tier import KVTier
 from worker.simulator.latency import LatencyModel, StepShape
 
-from bench.sim.decode_run import observe_decode_run
+from bench.sim.simloop import next_block_need, next_finish, observe_decode_run, pop_block_needs, pop_finished
 from bench.sim.lora import SimLoRA
 from bench.sim.worker import SimRequest, SimWorker, is_decode
 
@@ -90,27 +90,13 @@ class AggregateWorker(SimWorker):
         self._dec_base -= req.num_prompt + req.tick0
         req.dseq = -1
 
-    def _next_finish(self) -> int:
-        heap = self._finish_at
-        while heap[0][2].dseq != heap[0][1]:
-            heapq.heappop(heap)
-        return heap[0][0]
-
-    def _next_block_need(self) -> int:
-        heap = self._block_at
-        while True:
-            _, dseq, nblocks, req = heap[0]
-            if req.dseq == dseq and len(req.blocks) == nblocks:
-                return heap[0][0]
-            heapq.heappop(heap)
-
     # ------------------------------------------------------------------ stepping
 
     def _decode_run(self) -> tuple[float, float, float, float, int] | None:
         b = self._ndec
         if not self.decode_runs or not b or b != len(self.running) or self.waiting and self._can_admit_head():
             return None
-        k = min(self._next_finish(), self._next_block_need()) - self._tick
+        k = min(next_finish(self._finish_at), next_block_need(self._block_at)) - self._tick
         if k < 2:
             return None
         ctx = self.running_tokens  # every running request is decoding
@@ -132,7 +118,7 @@ class AggregateWorker(SimWorker):
             self.running_tokens += k * b
             heap = self._finish_at
             if heap and heap[0][0] <= tick:  # most runs end on a finish; the others on a block need
-                self._finish(self._pop_finished(), now)
+                self._finish(pop_finished(heap, tick), now)
             self._run = None
         else:
             self.speed.observe(now - self._start - self._finish_copies(), *self._step_work)
@@ -143,16 +129,6 @@ class AggregateWorker(SimWorker):
             return self._start_step(now)
         return None
 
-    def _pop_finished(self) -> list[SimRequest]:
-        """Decoding requests whose last token is out at the current tick, in running order."""
-        done = []
-        heap, tick = self._finish_at, self._tick
-        while heap and heap[0][0] <= tick:
-            _, dseq, req = heapq.heappop(heap)
-            if req.dseq == dseq:
-                done.append(req)
-        return done
-
     def _schedule(self) -> tuple[list[tuple[SimRequest, int]], StepShape]:
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[SimRequest, int]] = []
@@ -161,14 +137,8 @@ class AggregateWorker(SimWorker):
         preempted = stopped = False
         # Decodes whose context outgrew their blocks get one now, in running order; when none is
         # free, the most recently admitted requests are preempted (the reference's loop, for them).
-        if self._ndec and self._next_block_need() <= self._tick:
-            needy = []
-            heap, tick = self._block_at, self._tick
-            while heap and heap[0][0] <= tick:
-                _, dseq, nblocks, req = heapq.heappop(heap)
-                if req.dseq == dseq and len(req.blocks) == nblocks:
-                    needy.append(req)
-            for req in needy:
+        if self._ndec and next_block_need(self._block_at) <= self._tick:
+            for req in pop_block_needs(self._block_at, self._tick):
                 if req.dseq < 0:
                     continue  # preempted for an earlier one
                 self._sync(req)
@@ -207,7 +177,7 @@ class AggregateWorker(SimWorker):
     def _apply_step(self, now: float) -> None:
         self._tick = tick = self._tick + 1  # every decoding request got its token
         heap = self._finish_at
-        done = self._pop_finished() if heap and heap[0][0] <= tick else []
+        done = pop_finished(heap, tick) if heap and heap[0][0] <= tick else []
         decodes = self._ndec  # the decoding prefix, as scheduled: one token each
         for req, n in self._batch:  # the other chunks
             if self._apply_prefill(req, n, now):

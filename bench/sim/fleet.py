@@ -25,6 +25,7 @@ from worker.simulator.runner import nominal_speed
 from protocol import LoadReport
 
 from bench.records import RequestRecord
+from bench.sim import simloop
 from bench.sim.aggregate import make_worker
 from bench.sim.lora import SimLoRA
 from bench.sim.prompt_hashes import UnitHasher
@@ -179,6 +180,7 @@ def _simulate(workload: Workload, cfg: FleetConfig, progress: Callable[[int], No
 
     heappop, heappush = heapq.heappop, heapq.heappush
     on_first_token, on_kv, on_finish = router.on_first_token, router.on_kv, router.on_finish
+    drain = simloop.drain_events  # the loop's body below, compiled; None: Python's
 
     def heartbeat(at: float) -> None:
         nonlocal next_poll
@@ -221,6 +223,17 @@ def _simulate(workload: Workload, cfg: FleetConfig, progress: Callable[[int], No
                 continue
             if head > t:
                 break
+            if drain is not None:
+                # The events up to the next heartbeat, report read or ``t``, all but an adapter's
+                # arrival (it takes sequence numbers: handled below), as the body below does.
+                stop = next_report if reporting else inf
+                if latest and next_poll < stop:
+                    stop = next_poll
+                last_seq = drain(heap, delayed, workers, t, stop, seq, hop, kv_delay, on_first_token, on_kv,
+                                 on_finish)
+                if last_seq is not None:
+                    seq = last_seq
+                    continue
             if delayed and delayed[0][0] == head:
                 _, _, handler, args = heappop(delayed)
                 handler(*args)

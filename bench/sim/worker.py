@@ -53,7 +53,7 @@ from worker.engine.stats import ATTENTION_KNEE_TOKENS, engine_speed_meter
 from worker.simulator.latency import LatencyModel, StepShape
 from worker.simulator.runner import nominal_speed
 
-from bench.sim.decode_run import decode_run_cut, decode_run_time, decode_steps_done_by, observe_decode_run
+from bench.sim.simloop import decode_run_cut, decode_run_time, decode_steps_done_by, observe_decode_run
 from bench.sim.lazy_pool import LazyBlockPool
 from bench.sim.lora import SimLoRA
 

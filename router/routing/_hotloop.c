@@ -10,7 +10,10 @@
  * an unusual value gets Python's own answer or error.
  *
  * The records are slotted dataclasses (Candidate, WorkerLoad): bind() reads each field's slot
- * offset from its member descriptor once, and the loops read and write the slots directly.
+ * offset from its member descriptor once, and the loops read and write the slots directly. A
+ * _DepthLookup's depths (PrefixIndex.depth_of for a worker beyond the longest matches) are read
+ * from the index's dicts here, without a Python call per worker (its ``get`` where they are not
+ * plain dicts and floats).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -23,7 +26,7 @@
 #pragma STDC FP_CONTRACT OFF
 #endif
 
-#define LAYOUT_VERSION 3
+#define LAYOUT_VERSION 6
 
 enum { C_WORKER_ID, C_TOKENS_PER_S, C_CACHED, C_PENDING, C_IN_SYSTEM, C_OVER_LIMIT, C_RING_RANK,
        C_MATCHED, C_SERVICE, C_TRANSFER, C_ADAPTER, C_FIELDS };
@@ -32,10 +35,12 @@ static const char *const CANDIDATE_FIELDS[C_FIELDS] = {
     "matched_chunks", "service_s", "transfer_s", "adapter_s"};
 
 enum { W_BUSY_UNTIL, W_SLOT_WAIT, W_RATE_NOW, W_IN_SYSTEM, W_OVER_LIMIT_NOW, W_SERVICE, W_BLOCK, W_HEAP_VERSION,
-       W_ROUTABLE, W_FIELDS };
+       W_ROUTABLE, W_PREFILL_RATE, W_DECODE_STEP, W_BATCHED, W_MAX_SEQS, W_RUNNING, W_RUNNING_TOKENS, W_CAPACITY,
+       W_MAX_INFLIGHT, W_CAP, W_TICKETS, W_WORKER_ID, W_FIELDS };
 static const char *const LOAD_FIELDS[W_FIELDS] = {
     "busy_until", "slot_wait_s", "rate_now", "in_system", "over_limit_now", "service_s", "block_size",
-    "heap_version", "routable"};
+    "heap_version", "routable", "prefill_tokens_per_s", "decode_step_s", "max_num_batched_tokens", "max_num_seqs",
+    "reported_running", "reported_running_tokens", "capacity_tokens", "max_inflight", "cap", "tickets", "worker_id"};
 
 static PyTypeObject *candidate_type = NULL;
 static PyTypeObject *load_type = NULL;
@@ -44,6 +49,7 @@ static Py_ssize_t load_off[W_FIELDS];
 static PyObject *not_on_ring = NULL;  /* NOT_ON_RING as a Python int */
 static long long not_on_ring_value = 0;
 static PyObject *zero_int = NULL, *zero_float = NULL, *str_get = NULL;
+static PyObject *str_index = NULL, *str_hashes = NULL, *str_now = NULL, *str_map = NULL, *str_live = NULL;
 
 #define SLOT(obj, off) (*(PyObject **)((char *)(obj) + (off)))
 #define EXACT_INT_LIMIT 9007199254740992LL  /* 2**53: every int below converts to a double exactly */
@@ -179,6 +185,87 @@ int_floor_div(long long a, long long b)
     return q;
 }
 
+/* A _DepthLookup's index, read directly (PrefixIndex.depth_of without a Python call per worker). */
+typedef struct {
+    PyObject *map;     /* index._map: chain hash -> {holder: expiry} (an OrderedDict: dict's lookup) */
+    PyObject *live;    /* index._live: worker id -> its current holder */
+    PyObject *hashes;  /* the prompt's chain hashes (a list) */
+    double now;
+} depth_reader;
+
+/* Fill ``r`` from ``matches`` (a _DepthLookup): 1; 0 where its parts are not what this reads
+ * (then matches.get answers); -1 with an exception set. Holds new references (depth_reader_clear). */
+static int
+depth_reader_init(depth_reader *r, PyObject *matches)
+{
+    r->map = r->live = r->hashes = NULL;
+    PyObject *index = PyObject_GetAttr(matches, str_index), *now = NULL;
+    if (index == NULL)
+        goto missing;
+    r->hashes = PyObject_GetAttr(matches, str_hashes);
+    now = PyObject_GetAttr(matches, str_now);
+    r->map = PyObject_GetAttr(index, str_map);
+    r->live = PyObject_GetAttr(index, str_live);
+    Py_DECREF(index);
+    if (r->hashes == NULL || now == NULL || r->map == NULL || r->live == NULL)
+        goto missing;
+    int ok = PyList_CheckExact(r->hashes) && PyFloat_CheckExact(now)
+             && (PyODict_CheckExact(r->map) || PyDict_CheckExact(r->map)) && PyDict_CheckExact(r->live);
+    if (ok)
+        r->now = PyFloat_AS_DOUBLE(now);
+    Py_DECREF(now);
+    return ok;
+missing:
+    Py_XDECREF(now);
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+        return -1;
+    PyErr_Clear();
+    return 0;
+}
+
+static void
+depth_reader_clear(depth_reader *r)
+{
+    Py_CLEAR(r->map);
+    Py_CLEAR(r->live);
+    Py_CLEAR(r->hashes);
+}
+
+/* PrefixIndex.depth_of(hashes, worker_id, now): how many leading hashes ``wid`` holds unexpired.
+ * >= 0; -1 with an exception set; -2 where an expiry is not a float (matches.get answers). */
+static long long
+read_depth(depth_reader *r, PyObject *wid)
+{
+    PyObject *holder = PyDict_GetItemWithError(r->live, wid);  /* borrowed; no Python code runs below */
+    if (holder == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    long long depth = 0;
+    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(r->hashes); k++) {
+        PyObject *entry = PyDict_GetItemWithError(r->map, PyList_GET_ITEM(r->hashes, k));
+        if (entry == NULL)
+            return PyErr_Occurred() ? -1 : depth;
+        if (!PyDict_CheckExact(entry))
+            return -2;
+        PyObject *expiry = PyDict_GetItemWithError(entry, holder);
+        double e;
+        if (expiry == NULL) {
+            if (PyErr_Occurred())
+                return -1;
+            e = 0.0;  /* entry.get(holder, 0.0) */
+        }
+        else if (PyFloat_CheckExact(expiry)) {
+            e = PyFloat_AS_DOUBLE(expiry);
+        }
+        else {
+            return -2;
+        }
+        if (e <= r->now)
+            return depth;
+        depth++;
+    }
+    return depth;
+}
+
 /* candidates(ids, successors, matches, deep, known, loads, chunk_tokens, cap, now)
  *
  * Balancer.candidate_set's loop for a request with no CPU KV tier in play and no adapter: one
@@ -190,9 +277,15 @@ build_records(PyObject *ids, PyObject *successors, PyObject *matches, int deep, 
               double chunk_tokens, long long cap, double now)
 {
     Py_ssize_t n = PyList_GET_SIZE(ids);
-    PyObject *out = PyList_New(n);
-    if (out == NULL)
+    depth_reader depths = {NULL, NULL, NULL, 0.0};
+    int direct = deep ? depth_reader_init(&depths, matches) : 0;
+    if (direct < 0)
         return NULL;
+    PyObject *out = PyList_New(n);
+    if (out == NULL) {
+        depth_reader_clear(&depths);
+        return NULL;
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *wid = PyList_GET_ITEM(ids, i);  /* ``ids`` is the caller's own list, not Python's */
         PyObject *w = PyDict_GetItemWithError(loads, wid);
@@ -211,7 +304,14 @@ build_records(PyObject *ids, PyObject *successors, PyObject *matches, int deep, 
             goto error;
         }
         else if (deep) {
-            matched = PyObject_CallMethodObjArgs(matches, str_get, wid, zero_int, NULL);
+            /* matches.get(wid, 0): its depth_of(...) or 0, read here where the index is plain dicts */
+            long long depth = direct ? read_depth(&depths, wid) : -2;
+            if (depth == -1) {
+                Py_DECREF(w);
+                goto error;
+            }
+            matched = depth >= 0 ? PyLong_FromLongLong(depth)
+                                 : PyObject_CallMethodObjArgs(matches, str_get, wid, zero_int, NULL);
             if (matched == NULL) {
                 Py_DECREF(w);
                 goto error;
@@ -318,11 +418,14 @@ build_records(PyObject *ids, PyObject *successors, PyObject *matches, int deep, 
         SLOT(c, candidate_off[C_ADAPTER]) = Py_NewRef(zero_float);
         PyList_SET_ITEM(out, i, c);
     }
+    depth_reader_clear(&depths);
     return out;
 fallback:
+    depth_reader_clear(&depths);
     Py_DECREF(out);
     Py_RETURN_NOTIMPLEMENTED;
 error:
+    depth_reader_clear(&depths);
     Py_DECREF(out);
     return NULL;
 }
@@ -1002,8 +1105,163 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------ the LoadBoard's cached figures */
+
+static PyObject *py_refresh = NULL;  /* router.routing.load's Python _refresh (bind_refresh) */
+
+/* Replace a WorkerLoad slot's value with ``value`` (a new reference, stolen). */
+static void
+set_slot(PyObject *w, int field, PyObject *value)
+{
+    PyObject **slot = &SLOT(w, load_off[field]);
+    PyObject *old = *slot;
+    *slot = value;
+    Py_XDECREF(old);
+}
+
+/* refresh(w): router.routing.load._refresh -- a worker's rate_now, slot_wait_s and over_limit_now
+ * from its fields -- with the same expressions in the same order; the Python function where a
+ * field is not what this was written for (or where Python divides by zero). */
+static PyObject *
+hot_refresh(PyObject *self, PyObject *w)
+{
+    if (load_type == NULL || py_refresh == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "_hotloop.refresh: bind() and bind_refresh() first");
+        return NULL;
+    }
+    double prefill_rate, decode_step, service;
+    long long in_system, running, batched, max_seqs, tokens, capacity, max_inflight, cap;
+    if (!Py_IS_TYPE(w, load_type)
+            || !number(SLOT(w, load_off[W_PREFILL_RATE]), &prefill_rate) || prefill_rate == 0.0
+            || !number(SLOT(w, load_off[W_DECODE_STEP]), &decode_step)
+            || !number(SLOT(w, load_off[W_SERVICE]), &service)
+            || !small_int(SLOT(w, load_off[W_IN_SYSTEM]), &in_system)
+            || !small_int(SLOT(w, load_off[W_RUNNING]), &running)
+            || !small_int(SLOT(w, load_off[W_BATCHED]), &batched)
+            || !small_int(SLOT(w, load_off[W_MAX_SEQS]), &max_seqs)
+            || !small_int(SLOT(w, load_off[W_RUNNING_TOKENS]), &tokens)
+            || !small_int(SLOT(w, load_off[W_CAPACITY]), &capacity)
+            || !small_int(SLOT(w, load_off[W_MAX_INFLIGHT]), &max_inflight)
+            || !small_int(SLOT(w, load_off[W_CAP]), &cap)
+            || SLOT(w, load_off[W_TICKETS]) == NULL || !PyAnySet_CheckExact(SLOT(w, load_off[W_TICKETS])))
+        return PyObject_CallOneArg(py_refresh, w);
+    double base = 1.0 / prefill_rate;
+    if (in_system > 0 || running > 0)
+        base += decode_step / (double)(batched > 1 ? batched : 1);
+    if (base == 0.0)
+        return PyObject_CallOneArg(py_refresh, w);  /* Python raises ZeroDivisionError */
+    double slots = (double)max_seqs;
+    if (capacity > 0 && running > 0 && tokens > 0) {
+        /* running * capacity_tokens / tokens: Python's exact int product, then its correctly
+         * rounded int division -- the same double while the product is exact as a double */
+        if (capacity >= EXACT_INT_LIMIT / running)
+            return PyObject_CallOneArg(py_refresh, w);
+        double kv = (double)(running * capacity) / (double)tokens;
+        if (kv < (double)max_seqs)
+            slots = kv > 1.0 ? kv : 1.0;
+    }
+    double ahead = (double)(in_system + 1) - slots;
+    double wait = ahead > 0 ? ahead * service / slots : 0.0;
+    int over = in_system >= max_inflight || (cap > 0 && PySet_GET_SIZE(SLOT(w, load_off[W_TICKETS])) >= cap);
+    PyObject *rate_obj = PyFloat_FromDouble(1.0 / base);
+    if (rate_obj == NULL)
+        return NULL;
+    PyObject *wait_obj = PyFloat_FromDouble(wait);
+    if (wait_obj == NULL) {
+        Py_DECREF(rate_obj);
+        return NULL;
+    }
+    set_slot(w, W_RATE_NOW, rate_obj);
+    set_slot(w, W_SLOT_WAIT, wait_obj);
+    set_slot(w, W_OVER_LIMIT_NOW, Py_NewRef(over ? Py_True : Py_False));
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_push = NULL;  /* router.routing.load's Python push (bind_refresh) */
+static PyObject *str_counter = NULL, *str_heap = NULL, *str_workers = NULL, *str_compact = NULL;
+static PyObject *heappush_fn = NULL;
+
+/* push(board, w): router.routing.load.push_python -- ``w`` on the board's least-loaded heap at its
+ * busy_until with the counter's next version, the heap compacted when it has grown 4x -- or the
+ * Python function where the board's parts are not a list, a dict and an iterator. */
+static PyObject *
+hot_push(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "push(board, w)");
+        return NULL;
+    }
+    if (load_type == NULL || py_push == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "_hotloop.push: bind() and bind_refresh() first");
+        return NULL;
+    }
+    PyObject *board = args[0], *w = args[1], *result = NULL;
+    PyObject *counter = PyObject_GetAttr(board, str_counter);
+    PyObject *heap = counter == NULL ? NULL : PyObject_GetAttr(board, str_heap);
+    PyObject *workers = heap == NULL ? NULL : PyObject_GetAttr(board, str_workers);
+    if (workers == NULL) {
+        PyErr_Clear();
+        goto python;
+    }
+    if (!Py_IS_TYPE(w, load_type) || !PyIter_Check(counter) || !PyList_CheckExact(heap) || !PyDict_CheckExact(workers)
+            || SLOT(w, load_off[W_BUSY_UNTIL]) == NULL || SLOT(w, load_off[W_WORKER_ID]) == NULL)
+        goto python;
+    PyObject *version = PyIter_Next(counter);
+    if (version == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetNone(PyExc_StopIteration);
+        goto done;
+    }
+    set_slot(w, W_HEAP_VERSION, Py_NewRef(version));
+    PyObject *item = PyTuple_Pack(3, SLOT(w, load_off[W_BUSY_UNTIL]), version, SLOT(w, load_off[W_WORKER_ID]));
+    Py_DECREF(version);
+    if (item == NULL)
+        goto done;
+    PyObject *push_args[2] = {heap, item};
+    PyObject *pushed = PyObject_Vectorcall(heappush_fn, push_args, 2, NULL);
+    Py_DECREF(item);
+    if (pushed == NULL)
+        goto done;
+    Py_DECREF(pushed);
+    if (PyList_GET_SIZE(heap) > 4 * PyDict_GET_SIZE(workers) + 64) {
+        result = PyObject_CallMethodNoArgs(board, str_compact);
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+    goto done;
+python:
+    result = PyObject_Vectorcall(py_push, args, 2, NULL);
+done:
+    Py_XDECREF(counter);
+    Py_XDECREF(heap);
+    Py_XDECREF(workers);
+    return result;
+}
+
+/* bind_refresh(refresh_python, push_python): the Python functions refresh() and push() hand what
+ * they were not written for to. */
+static PyObject *
+hot_bind_refresh(PyObject *self, PyObject *args)
+{
+    PyObject *refresh, *push;
+    if (!PyArg_ParseTuple(args, "OO", &refresh, &push))
+        return NULL;
+    if (!PyCallable_Check(refresh) || !PyCallable_Check(push)) {
+        PyErr_SetString(PyExc_TypeError, "bind_refresh() takes two callables");
+        return NULL;
+    }
+    Py_XSETREF(py_refresh, Py_NewRef(refresh));
+    Py_XSETREF(py_push, Py_NewRef(push));
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef hot_methods[] = {
     {"bind", hot_bind, METH_VARARGS, "bind(Candidate, WorkerLoad, NOT_ON_RING): learn the records' slot layouts."},
+    {"bind_refresh", hot_bind_refresh, METH_VARARGS,
+     "bind_refresh(refresh_python, push_python): the Python functions for what refresh() and push() cannot do."},
+    {"push", (PyCFunction)(void (*)(void))hot_push, METH_FASTCALL,
+     "push(board, w): w on the board's least-loaded heap at its busy_until."},
+    {"refresh", hot_refresh, METH_O, "refresh(w): a WorkerLoad's rate_now, slot_wait_s and over_limit_now brought up to date."},
     {"candidates", (PyCFunction)(void (*)(void))hot_candidates, METH_FASTCALL,
      "candidates(ids, successors, matches, deep, known, loads, chunk_tokens, cap, now) -> list | NotImplemented"},
     {"choose", (PyCFunction)(void (*)(void))hot_choose, METH_FASTCALL,
@@ -1033,7 +1291,23 @@ PyInit__hotloop(void)
     zero_int = PyLong_FromLong(0);
     zero_float = PyFloat_FromDouble(0.0);
     str_get = PyUnicode_InternFromString("get");
-    if (zero_int == NULL || zero_float == NULL || str_get == NULL
+    str_index = PyUnicode_InternFromString("_index");
+    str_hashes = PyUnicode_InternFromString("_hashes");
+    str_now = PyUnicode_InternFromString("_now");
+    str_map = PyUnicode_InternFromString("_map");
+    str_live = PyUnicode_InternFromString("_live");
+    str_counter = PyUnicode_InternFromString("_counter");
+    str_heap = PyUnicode_InternFromString("_heap");
+    str_workers = PyUnicode_InternFromString("_workers");
+    str_compact = PyUnicode_InternFromString("_compact");
+    PyObject *heapq = PyImport_ImportModule("_heapq");
+    if (heapq != NULL) {
+        heappush_fn = PyObject_GetAttrString(heapq, "heappush");
+        Py_DECREF(heapq);
+    }
+    if (zero_int == NULL || zero_float == NULL || str_get == NULL || str_index == NULL || str_hashes == NULL
+            || str_now == NULL || str_map == NULL || str_live == NULL || str_counter == NULL || str_heap == NULL
+            || str_workers == NULL || str_compact == NULL || heappush_fn == NULL
             || PyModule_AddIntConstant(m, "LAYOUT_VERSION", LAYOUT_VERSION) < 0) {
         Py_DECREF(m);
         return NULL;

@@ -87,6 +87,8 @@ class _DepthLookup(dict):
 
     Used when too many workers hold the request's first chunk to list them all (see
     ``PrefixIndex.match_top``): ``keys()`` are the longest matches, ``get`` answers for anyone.
+    (The compiled candidate set reads ``_index``, ``_hashes`` and ``_now`` to answer as ``get``
+    does without calling it: router/routing/_hotloop.c.)
     """
 
     def __init__(self, top: dict[str, int], index: PrefixIndex, hashes: list[int], now: float) -> None:

@@ -158,10 +158,12 @@ class WorkerLoad:
         return self.in_system >= self.max_inflight or (self.cap > 0 and len(self.tickets) >= self.cap)
 
 
-def _refresh(w: WorkerLoad) -> None:
+def refresh_python(w: WorkerLoad) -> None:
+    """Bring ``w``'s cached ``rate_now``, ``slot_wait_s`` and ``over_limit_now`` up to date (Python)."""
     # WorkerLoad.rate(), slot_wait() (with slots()) and over_limit() written out, the same
     # expressions in the same order (so the same floats): every dispatch, first byte, finish and
-    # report refreshes them, millions of times in a simulated run.
+    # report refreshes them, millions of times in a simulated run. (``_refresh`` below: this, or
+    # the same in C where router/routing/_hotloop.c was built; tests/unit/test_hotloop.py.)
     base = 1.0 / w.prefill_tokens_per_s
     in_system = w.in_system
     running = w.reported_running
@@ -178,6 +180,21 @@ def _refresh(w: WorkerLoad) -> None:
     ahead = in_system + 1 - slots
     w.slot_wait_s = ahead * w.service_s / slots if ahead > 0 else 0.0
     w.over_limit_now = in_system >= w.max_inflight or (w.cap > 0 and len(w.tickets) >= w.cap)
+
+
+_refresh = refresh_python  # router.routing.hotloop puts the compiled one here where it was built
+
+
+def push_python(board: "LoadBoard", w: WorkerLoad) -> None:
+    """Put ``w`` on ``board``'s least-loaded heap at its ``busy_until`` (older entries go stale)."""
+    w.heap_version = version = next(board._counter)
+    heap = board._heap
+    heapq.heappush(heap, (w.busy_until, version, w.worker_id))
+    if len(heap) > 4 * len(board._workers) + 64:
+        board._compact()
+
+
+_push = push_python  # as _refresh: the compiled one where it was built
 
 
 class LoadBoard:
@@ -208,7 +225,7 @@ class LoadBoard:
                        seqs, block_size or p.block_size, self._limit(seqs), p.service_s)
         self._workers[worker_id] = w
         _refresh(w)
-        self._push(w)
+        _push(self, w)
         return w
 
     def remove_worker(self, worker_id: str) -> None:
@@ -223,7 +240,7 @@ class LoadBoard:
         w = self._workers.get(worker_id)
         if w is not None and w.routable != routable:
             w.routable = routable
-            self._push(w)
+            _push(self, w)
 
     def set_cap(self, worker_id: str, cap: int) -> None:
         """Cap this router's in-flight requests to ``worker_id`` (0: no cap beyond the hard limit)."""
@@ -340,7 +357,7 @@ class LoadBoard:
         self._recount(w)
         queued = max(0, report.queued_prefill_tokens - prefilled_since)
         w.busy_until = at + (queued + unreported_tokens) / w.rate_now  # = w.rate(), just refreshed
-        self._push(w)
+        _push(self, w)
         return True
 
     def dispatch(self, worker_id: str, prefill_tokens: int, now: float) -> Ticket:
@@ -353,7 +370,7 @@ class LoadBoard:
         t.work_s = work_s = prefill_tokens / w.rate_now  # = w.rate(), just refreshed
         busy = w.busy_until
         w.busy_until = t.eta = (now if now > busy else busy) + work_s  # max(busy, now)
-        self._push(w)
+        _push(self, w)
         return t
 
     def prefilled(self, ticket: Ticket, now: float) -> None:
@@ -371,7 +388,7 @@ class LoadBoard:
             w.recent.append((now, ticket.sent_at, ticket.prefill_tokens, False))
             remaining = max(0.0, min(ticket.work_s, ticket.eta - now))
             w.busy_until = max(now, w.busy_until - remaining)
-            self._push(w)
+            _push(self, w)
 
     def finish(self, ticket: Ticket, now: float) -> None:
         """The request ended (completed, failed or cancelled)."""
@@ -421,13 +438,6 @@ class LoadBoard:
     def _refresh(w: WorkerLoad) -> None:
         """Bring ``w``'s cached ``rate_now``, ``slot_wait_s`` and ``over_limit_now`` up to date (after any change)."""
         _refresh(w)
-
-    def _push(self, w: WorkerLoad) -> None:
-        w.heap_version = version = next(self._counter)
-        heap = self._heap
-        heapq.heappush(heap, (w.busy_until, version, w.worker_id))
-        if len(heap) > 4 * len(self._workers) + 64:
-            self._compact()
 
     def _compact(self) -> None:
         workers = self._workers

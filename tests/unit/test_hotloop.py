@@ -19,6 +19,7 @@ import pytest
 
 from protocol import KVEvent, LoadReport
 from router.routing import hotloop
+from router.routing import load as board_module
 from router.routing.balancer import Balancer
 from router.routing.load import LoadBoard, SpeedProfile
 from router.routing.policies import get_policy
@@ -52,6 +53,8 @@ def test_pure_python_env_turns_them_off(monkeypatch):
 def _history(seed: int, pure: bool, monkeypatch) -> list[tuple]:
     """One random history (see the module docstring); returns what every decision said."""
     monkeypatch.setattr(hotloop, "hot", None if pure else C_LOOPS)
+    monkeypatch.setattr(board_module, "_refresh", board_module.refresh_python if pure else C_LOOPS.refresh)
+    monkeypatch.setattr(board_module, "_push", board_module.push_python if pure else C_LOOPS.push)
     rng = random.Random(seed)
     policy = rng.choice(["cache_aware", "cache_aware", "cache_aware", "least_load", "consistent_hash"])
     affinity = rng.choice([0.0, 0.2, 0.5, 0.8, 0.9, 1.0])
@@ -466,3 +469,63 @@ def test_least_loaded_puts_each_entry_back_once_when_a_comparison_fails():
         assert set(kept) <= {id(entry) for entry in original}, n
         assert len(live - set(kept)) <= 1, n  # stale entries may go for good, as in Python's loop
     assert failures == total
+
+
+@needs_c
+def test_a_workers_cached_figures_are_refreshed_to_the_same_floats_in_c_and_python():
+    """LoadBoard's refresh (rate_now, slot_wait_s, over_limit_now) on random workers, both ways, to the bit."""
+    from router.routing.load import WorkerLoad
+
+    assert board_module._refresh is C_LOOPS.refresh  # what the board calls once the C module is bound
+    rng = random.Random(11)
+    for _ in range(20_000):
+        fields = dict(worker_id="w", prefill_tokens_per_s=rng.choice([rng.uniform(100, 50_000), 4000, 1e-300]),
+                      decode_step_s=rng.uniform(1e-3, 0.1), max_num_batched_tokens=rng.choice([0, 1, 512, 8192]),
+                      max_num_seqs=rng.choice([1, 64, 256]), block_size=16, max_inflight=rng.choice([2, 128, 512]),
+                      service_s=rng.uniform(0.01, 5.0))
+        a, b = WorkerLoad(**fields), WorkerLoad(**fields)
+        state = dict(in_system=rng.choice([0, 1, rng.randint(0, 600)]),
+                     reported_running=rng.choice([0, rng.randint(0, 300)]),
+                     reported_running_tokens=rng.choice([0, rng.randint(1, 2_000_000)]),
+                     capacity_tokens=rng.choice([0, rng.randint(1, 3_000_000)]), cap=rng.choice([0, 0, 1, 3]))
+        tickets = rng.randint(0, 4)
+        for w in (a, b):
+            for name, value in state.items():
+                setattr(w, name, value)
+            w.tickets = set(range(tickets))
+        C_LOOPS.refresh(a)
+        board_module.refresh_python(b)
+        assert (a.rate_now.hex(), a.slot_wait_s.hex(), a.over_limit_now) == \
+               (b.rate_now.hex(), b.slot_wait_s.hex(), b.over_limit_now), fields
+    # a value it was not written for goes to Python: the same answer, or the same error
+    odd = WorkerLoad("w", 0.0, 0.02, 512, 64, 16, 128, 1.0)
+    with pytest.raises(ZeroDivisionError):
+        C_LOOPS.refresh(odd)
+    big = WorkerLoad("w", 5000.0, 0.02, 512, 64, 16, 128, 1.0)
+    big.reported_running, big.reported_running_tokens, big.capacity_tokens = 3, 7, 2**62
+    twin = WorkerLoad("w", 5000.0, 0.02, 512, 64, 16, 128, 1.0)
+    twin.reported_running, twin.reported_running_tokens, twin.capacity_tokens = 3, 7, 2**62
+    C_LOOPS.refresh(big)
+    board_module.refresh_python(twin)
+    assert (big.rate_now, big.slot_wait_s, big.over_limit_now) == (twin.rate_now, twin.slot_wait_s, twin.over_limit_now)
+
+
+@needs_c
+def test_the_least_loaded_heap_gets_the_same_entries_pushed_in_c_and_python():
+    """LoadBoard's push (version, heap entry, compaction) on random workers, both ways: the same heaps."""
+    assert board_module._push is C_LOOPS.push
+    rng = random.Random(3)
+    boards = [LoadBoard(SpeedProfile()), LoadBoard(SpeedProfile())]
+    for board in boards:
+        for i in range(20):
+            board.add_worker(f"w{i}")
+    for _ in range(5000):
+        name, busy = f"w{rng.randrange(20)}", rng.choice([0.0, rng.uniform(0, 100)])
+        for board, push in zip(boards, (C_LOOPS.push, board_module.push_python)):
+            w = board.get(name)
+            w.busy_until = busy
+            push(board, w)
+        assert boards[0]._heap == boards[1]._heap  # compacted alike too (20 workers: at most 144 entries)
+        assert len(boards[0]._heap) <= 4 * 20 + 64 + 1
+    versions = [[w.heap_version for w in board._workers.values()] for board in boards]
+    assert versions[0] == versions[1]
