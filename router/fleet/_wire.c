@@ -6,7 +6,8 @@
  *   invalid or unusual line), and then the Python code runs and gives its answer or error.
  * header_lines(headers): "name: value\r\n" of each item, when all are ASCII str without CR or
  *   LF: what upstream.header_lines gives. NotImplemented for anything else (a value that is not
- *   a str, a newline to refuse, non-ASCII), and then the Python function runs.
+ *   a str, a newline to refuse, non-ASCII, an item that is not an exact 2-tuple, a mapping whose
+ *   truth or len() is not what its items say), and then the Python function runs.
  *
  * Both only ever answer what the Python code would answer, or decline; tests/unit/test_wire.py
  * compares them on random inputs.
@@ -78,9 +79,20 @@ static int usable(PyObject *s) {
 
 static PyObject *wire_header_lines(PyObject *self, PyObject *headers) {
     PyObject *items;
-    if (PyDict_CheckExact(headers)) {
+    int exact = PyDict_CheckExact(headers);
+    if (exact) {
         items = PyDict_Items(headers);
     } else {
+        /* The Python code tests ``headers`` for truth before it calls items() (an empty one is "",
+         * even one without items(), such as []): the same test first, its error raised as there */
+        int truth = PyObject_IsTrue(headers);
+        if (truth < 0) return NULL;
+        if (!truth) {  /* "" where len() is 0 as it then checks; anything else left to it */
+            Py_ssize_t size = PyObject_Size(headers);
+            if (size == 0) return PyUnicode_New(0, 127);
+            PyErr_Clear();
+            Py_RETURN_NOTIMPLEMENTED;
+        }
         PyObject *view = PyObject_CallMethod(headers, "items", NULL);
         if (view == NULL) return NULL;
         items = PySequence_List(view);
@@ -90,10 +102,23 @@ static PyObject *wire_header_lines(PyObject *self, PyObject *headers) {
     Py_ssize_t count = PyList_GET_SIZE(items), total = 0;
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *item = PyList_GET_ITEM(items, i);
-        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) goto decline;
+        /* exact: str.join iterates a tuple subclass by its own __iter__, which this does not call */
+        if (!PyTuple_CheckExact(item) || PyTuple_GET_SIZE(item) != 2) goto decline;
         PyObject *k = PyTuple_GET_ITEM(item, 0), *v = PyTuple_GET_ITEM(item, 1);
         if (usable(k) <= 0 || usable(v) <= 0) goto decline;
-        total += PyUnicode_GET_LENGTH(k) + PyUnicode_GET_LENGTH(v) + 4;
+        Py_ssize_t line = PyUnicode_GET_LENGTH(k) + PyUnicode_GET_LENGTH(v) + 4;
+        if (total > PY_SSIZE_T_MAX - line) goto decline;  /* the same strings many times over: Python's error */
+        total += line;
+    }
+    if (!exact) {
+        /* The Python code then compares its newline count with len(headers): a mapping whose len()
+         * is not its items' count (or raises) is left to it */
+        Py_ssize_t size = PyObject_Size(headers);
+        if (size < 0) {
+            Py_DECREF(items);
+            return NULL;
+        }
+        if (size != count) goto decline;
     }
     PyObject *out = PyUnicode_New(total, 127);
     if (out == NULL) {

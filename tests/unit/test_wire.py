@@ -112,3 +112,49 @@ def test_an_answers_head_parses_alike_with_and_without_the_compiled_loop() -> No
         block = _block(rng) + "".join(rng.sample(framing, rng.randrange(0, 3)))
         head = (rng.choice(statuses) + "\r\n" + block).removesuffix("\r\n").encode("utf-8", "surrogateescape")
         assert _parse(head, True) == _parse(head, False), head
+
+
+class _Pair(tuple):
+    """A 2-tuple that str.join reads through its own __iter__ (as the Python code does)."""
+
+    def __iter__(self):
+        return iter(("X-Other", "other"))
+
+
+class _PairItems(dict):
+    def items(self):  # type: ignore[override]
+        return [_Pair(("X-Request-Id", "abc"))]
+
+
+class _Falsy(dict):
+    def __bool__(self) -> bool:
+        return False
+
+
+class _LongerThanItems(dict):
+    def __len__(self) -> int:
+        return 5
+
+
+class _NoLen:
+    def items(self):
+        return [("X-Request-Id", "abc")]
+
+
+def _outcome(call, headers):
+    try:
+        return call(headers)
+    except Exception as exc:  # noqa: BLE001 (the kind of error is what is compared)
+        return type(exc)
+
+
+@pytest.mark.parametrize("headers", [[], (), "", None, _PairItems(a="b"), _Falsy({"X-A": "b"}),
+                                     _LongerThanItems({"X-A": "b"}), _NoLen()],
+                         ids=["empty list", "empty tuple", "empty str", "None", "tuple subclass items",
+                              "falsy mapping", "len beyond items", "no len"])
+def test_header_lines_of_unusual_mappings_are_the_python_answer_or_error(headers) -> None:
+    """Where the compiled loop answers, it is the Python code's answer, or error of the same kind."""
+    compiled = _outcome(wire.header_lines, headers)
+    if compiled is not NotImplemented:
+        assert compiled == _outcome(_python_lines, headers)
+    assert _outcome(upstream.header_lines, headers) == _outcome(_python_lines, headers)
