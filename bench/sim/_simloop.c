@@ -6,10 +6,12 @@
  * functions otherwise (or with PREFIXLB_PURE_PYTHON=1). Both give the same results: every float
  * below is the same IEEE expression, in the same order, as the Python it replaces (ints convert to
  * doubles exactly below 2**53), and tests/unit/test_simloop.py compares the two on random runs.
- * Anything these functions were not written for -- an argument that is not an exact float or
- * int, an int past 2**53, a NaN or infinity where Python's math.ceil or int() would raise, a
- * meter whose clipping could act -- is handed to the Python function (bound with bind()), so an
- * unusual value gets Python's own answer or error.
+ * Anything these functions were not written for -- a step time term (overhead, c0, c1, m0, m1)
+ * that is not an exact float (with ints, Python's sums and products are exact ints, not
+ * doubles), another argument that is not an exact float or int, an int past 2**53, a NaN or
+ * infinity where Python's math.ceil or int() would raise, a meter whose clipping could act -- is
+ * handed to the Python function (bound with bind()), so an unusual value gets Python's own answer
+ * or error.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -47,6 +49,17 @@ as_double(PyObject *obj, double *out)
         return 1;
     }
     return 0;
+}
+
+/* A step time term: an exact float only. Python combines two int terms exactly (c0 - m0,
+ * overhead * k, b * (k - 1) * k), where a double would round. 0 if not. */
+static int
+as_term(PyObject *obj, double *out)
+{
+    if (!PyFloat_CheckExact(obj))
+        return 0;
+    *out = PyFloat_AS_DOUBLE(obj);
+    return 1;
 }
 
 /* An int argument: an exact int below 2**53 in magnitude. 0 if not. */
@@ -176,12 +189,13 @@ steps_done_by(double elapsed, double overhead, double c0, double c1, double m0, 
     return 1;
 }
 
-/* Read nargs float arguments then one int (k) from args[first:]; 0 if any is not what it should be. */
+/* Read nfloats float arguments then one int (k); the last five floats are step time terms
+ * (as_term), any before them a time (as_double). 0 if any is not what it should be. */
 static int
 read_run(PyObject *const *args, int nfloats, double *floats, long long *k)
 {
     for (int i = 0; i < nfloats; i++) {
-        if (!as_double(args[i], &floats[i]))
+        if (!(i < nfloats - 5 ? as_double(args[i], &floats[i]) : as_term(args[i], &floats[i])))
             return 0;
     }
     return as_count(args[nfloats], k);
@@ -384,22 +398,17 @@ pop_tuple(PyObject *heap, Py_ssize_t size)
     return item;
 }
 
-/* A heap's first time (its entries are (time, seq, ...) tuples); -1 with an exception set. */
+/* A heap's first time: 1 where its first entry is a (time, seq, x, y) tuple with an exact float
+ * time, else 0 (the Python loop handles it). Runs no Python code, so the entry it read is still
+ * the heap's first when the caller looks at it again. */
 static int
 head_time(PyObject *heap, double *out)
 {
     PyObject *item = PyList_GET_ITEM(heap, 0);
-    if (!PyTuple_CheckExact(item) || PyTuple_GET_SIZE(item) < 1) {
-        PyErr_SetString(PyExc_TypeError, "an event heap holds an entry of another shape");
-        return -1;
-    }
-    Py_INCREF(item);  /* held: a time that is not a float converts by its own code */
-    double v = PyFloat_AsDouble(PyTuple_GET_ITEM(item, 0));
-    Py_DECREF(item);
-    if (v == -1.0 && PyErr_Occurred())
-        return -1;
-    *out = v;
-    return 0;
+    if (!PyTuple_CheckExact(item) || PyTuple_GET_SIZE(item) != 4 || !PyFloat_CheckExact(PyTuple_GET_ITEM(item, 0)))
+        return 0;
+    *out = PyFloat_AS_DOUBLE(PyTuple_GET_ITEM(item, 0));
+    return 1;
 }
 
 /* Take ``w.<name>`` (a list) if it is non-empty, leaving a new empty list there: a new reference
@@ -516,7 +525,10 @@ hand_over_kv(PyObject *w, PyObject *on_kv, PyObject *when, PyObject *kv_delay, i
  * The fleet's event loop (bench/sim/fleet.py, run_until) between two of its heartbeats or report
  * reads: handles events in time order, exactly as the Python loop's body does, while the next is
  * at or before ``t``, before ``stop`` and not a delayed call of another handler than the three
- * given (an adapter's arrival takes sequence numbers of its own: the Python loop calls it).
+ * given (an adapter's arrival takes sequence numbers of its own: the Python loop calls it), and
+ * stops before an entry it was not written for (a time that is not an exact float, an entry that
+ * is not an exact tuple, a worker index that is not 0 <= wi < len(workers), a call's arguments
+ * that are not a tuple): the Python loop handles that one, with its own answer or error.
  * Returns the last sequence number it gave out, or None if it handled no event. */
 static PyObject *
 sim_drain_events(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -528,47 +540,46 @@ sim_drain_events(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *heap = args[0], *delayed = args[1], *workers = args[2];
     PyObject *hop = args[6], *kv_delay = args[7];
     PyObject *on_first_token = args[8], *on_kv = args[9], *on_finish = args[10];
-    if (!PyList_CheckExact(heap) || !PyList_CheckExact(delayed) || !PyList_CheckExact(workers)) {
-        PyErr_SetString(PyExc_TypeError, "drain_events() takes the heaps and the workers as lists");
-        return NULL;
-    }
-    double t = PyFloat_AsDouble(args[3]), stop = PyFloat_AsDouble(args[4]);
-    if ((t == -1.0 || stop == -1.0) && PyErr_Occurred())
-        return NULL;
-    int overflow;
-    long long seq = PyLong_AsLongLongAndOverflow(args[5], &overflow);
-    if (overflow || (seq == -1 && PyErr_Occurred())) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_OverflowError, "seq out of range");
-        return NULL;
-    }
+    double t, stop;
+    long long seq;
+    /* t, stop: exact floats, or ints a double holds exactly (compared as Python compares them) */
+    if (!PyList_CheckExact(heap) || !PyList_CheckExact(delayed) || !PyList_CheckExact(workers)
+            || !as_double(args[3], &t) || !as_double(args[4], &stop) || !as_count(args[5], &seq))
+        Py_RETURN_NONE;  /* no event handled: the Python loop runs */
     int hop_on = PyObject_IsTrue(hop), kv_on = PyObject_IsTrue(kv_delay);
     if (hop_on < 0 || kv_on < 0)
         return NULL;
     long long handled = 0;
     while (PyList_GET_SIZE(heap) || PyList_GET_SIZE(delayed)) {
+        /* Each step below up to the heappop runs no Python code: what it checked is what it pops.
+         * Anything unusual stops here and the Python loop handles it (with its own answer or error). */
         double head = INFINITY, first_delayed = 0.0;
-        if (PyList_GET_SIZE(heap) && head_time(heap, &head) < 0)
-            return NULL;
+        if (PyList_GET_SIZE(heap) && !head_time(heap, &head))
+            break;
         int have_delayed = PyList_GET_SIZE(delayed) > 0;
         if (have_delayed) {
-            if (head_time(delayed, &first_delayed) < 0)
-                return NULL;
+            if (!head_time(delayed, &first_delayed))
+                break;
             if (first_delayed < head)
                 head = first_delayed;
         }
         if (head > t || !(head < stop))
             break;
         if (have_delayed && first_delayed == head) {
-            PyObject *next = PyList_GET_ITEM(delayed, 0);  /* (time, seq, handler, args): head_time checked a tuple */
-            if (PyTuple_GET_SIZE(next) != 4)
-                break;  /* Python's loop says what it is */
+            PyObject *next = PyList_GET_ITEM(delayed, 0);  /* (time, seq, handler, args): head_time checked */
             PyObject *handler = PyTuple_GET_ITEM(next, 2);
             if (handler != on_first_token && handler != on_kv && handler != on_finish)
                 break;  /* another handler (an adapter's arrival) may take sequence numbers: Python calls it */
+            if (!PyTuple_CheckExact(PyTuple_GET_ITEM(next, 3)))
+                break;  /* handler(*args) of another iterable */
             PyObject *item = pop_tuple(delayed, 4);
             if (item == NULL)
                 return NULL;
+            if (!PyTuple_CheckExact(PyTuple_GET_ITEM(item, 3))) {  /* (what was checked above) */
+                Py_DECREF(item);
+                PyErr_SetString(PyExc_RuntimeError, "the delayed calls' heap changed under drain_events");
+                return NULL;
+            }
             PyObject *r = PyObject_Call(PyTuple_GET_ITEM(item, 2), PyTuple_GET_ITEM(item, 3), NULL);
             Py_DECREF(item);
             if (r == NULL)
@@ -577,24 +588,45 @@ sim_drain_events(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             handled++;
             continue;
         }
+        /* workers[wi]: an index past either end (Python's IndexError, or a negative index)
+         * is the Python loop's */
+        if (!PyList_GET_SIZE(heap))
+            break;
+        PyObject *wi = PyTuple_GET_ITEM(PyList_GET_ITEM(heap, 0), 2);
+        if (!PyLong_CheckExact(wi))
+            break;
+        Py_ssize_t index = PyLong_AsSsize_t(wi);
+        if (index == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            break;
+        }
+        if (index < 0 || index >= PyList_GET_SIZE(workers))
+            break;
         PyObject *item = pop_tuple(heap, 4);
         if (item == NULL)
             return NULL;
-        PyObject *when = PyTuple_GET_ITEM(item, 0), *wi = PyTuple_GET_ITEM(item, 2);
-        Py_ssize_t index = PyNumber_AsSsize_t(wi, PyExc_IndexError);
+        PyObject *when = PyTuple_GET_ITEM(item, 0);
         PyObject *w = NULL, *version = NULL, *nxt = NULL, *reqs = NULL;
         int ok = 0;
-        if (index == -1 && PyErr_Occurred())
-            goto event_done;
-        if (index < 0 || index >= PyList_GET_SIZE(workers)) {
-            PyErr_SetString(PyExc_IndexError, "worker index out of range");
+        if (PyTuple_GET_ITEM(item, 2) != wi || index >= PyList_GET_SIZE(workers)) {  /* (what was checked above) */
+            PyErr_SetString(PyExc_RuntimeError, "the event heap changed under drain_events");
             goto event_done;
         }
         w = Py_NewRef(PyList_GET_ITEM(workers, index));
         version = PyObject_GetAttr(w, str_version);
         if (version == NULL)
             goto event_done;
-        int stale = PyObject_RichCompareBool(PyTuple_GET_ITEM(item, 3), version, Py_NE);
+        /* version != w.version (RichCompareBool's identity shortcut only where it is Python's answer) */
+        PyObject *old_version = PyTuple_GET_ITEM(item, 3);
+        int stale;
+        if (PyLong_CheckExact(old_version) && PyLong_CheckExact(version)) {
+            stale = PyObject_RichCompareBool(old_version, version, Py_NE);
+        }
+        else {
+            PyObject *ne = PyObject_RichCompare(old_version, version, Py_NE);
+            stale = ne == NULL ? -1 : PyObject_IsTrue(ne);
+            Py_XDECREF(ne);
+        }
         Py_CLEAR(version);
         if (stale < 0)
             goto event_done;

@@ -5,14 +5,16 @@ and :func:`observe_decode_run` from here: the C functions when ``bench/sim/_siml
 (``setup.py`` makes it optional) and ``PREFIXLB_PURE_PYTHON=1`` is not set, otherwise
 :mod:`bench.sim.decode_run`'s. The results are the same either way (the same float expressions
 in the same order, compared on random runs in tests/unit/test_simloop.py); an argument the C
-functions were not written for (not an exact float or int, a NaN, a meter whose clipping could
-act) is handed to the Python function, which gives Python's answer or error. So do the
+functions were not written for (a step time term that is not an exact float, another argument
+that is not an exact float or int, a NaN, a meter whose clipping could act) is handed to the
+Python function, which gives Python's answer or error. So do the
 :mod:`bench.sim.decode_heaps` readers (:func:`next_finish`, :func:`next_block_need`,
 :func:`pop_finished`, :func:`pop_block_needs`): the same entries dropped, the same answers.
 
 :data:`drain_events` is the body of the fleet's event loop (``bench.sim.fleet``), or None: the
 fleet then runs its Python loop (the same events in the same order, compared run by run in
-tests/unit/test_simloop.py).
+tests/unit/test_simloop.py). It stops before an event it was not written for (a time that is not
+an exact float, a negative worker index...), which the Python loop then handles.
 """
 from __future__ import annotations
 

@@ -193,36 +193,6 @@ typedef struct {
     double now;
 } depth_reader;
 
-/* Fill ``r`` from ``matches`` (a _DepthLookup): 1; 0 where its parts are not what this reads
- * (then matches.get answers); -1 with an exception set. Holds new references (depth_reader_clear). */
-static int
-depth_reader_init(depth_reader *r, PyObject *matches)
-{
-    r->map = r->live = r->hashes = NULL;
-    PyObject *index = PyObject_GetAttr(matches, str_index), *now = NULL;
-    if (index == NULL)
-        goto missing;
-    r->hashes = PyObject_GetAttr(matches, str_hashes);
-    now = PyObject_GetAttr(matches, str_now);
-    r->map = PyObject_GetAttr(index, str_map);
-    r->live = PyObject_GetAttr(index, str_live);
-    Py_DECREF(index);
-    if (r->hashes == NULL || now == NULL || r->map == NULL || r->live == NULL)
-        goto missing;
-    int ok = PyList_CheckExact(r->hashes) && PyFloat_CheckExact(now)
-             && (PyODict_CheckExact(r->map) || PyDict_CheckExact(r->map)) && PyDict_CheckExact(r->live);
-    if (ok)
-        r->now = PyFloat_AS_DOUBLE(now);
-    Py_DECREF(now);
-    return ok;
-missing:
-    Py_XDECREF(now);
-    if (!PyErr_ExceptionMatches(PyExc_AttributeError))
-        return -1;
-    PyErr_Clear();
-    return 0;
-}
-
 static void
 depth_reader_clear(depth_reader *r)
 {
@@ -231,38 +201,85 @@ depth_reader_clear(depth_reader *r)
     Py_CLEAR(r->hashes);
 }
 
+/* Fill ``r`` from ``matches`` (a _DepthLookup): 1; 0, holding nothing, where its parts are not
+ * what this reads or one cannot be read (then matches.get answers, and raises where Python's
+ * would: only for a worker it is asked about). Holds new references (depth_reader_clear). */
+static int
+depth_reader_init(depth_reader *r, PyObject *matches)
+{
+    r->map = r->live = r->hashes = NULL;
+    PyObject *index = PyObject_GetAttr(matches, str_index), *now = NULL;
+    if (index != NULL) {
+        r->hashes = PyObject_GetAttr(matches, str_hashes);
+        now = r->hashes == NULL ? NULL : PyObject_GetAttr(matches, str_now);
+        r->map = now == NULL ? NULL : PyObject_GetAttr(index, str_map);
+        r->live = r->map == NULL ? NULL : PyObject_GetAttr(index, str_live);
+        Py_DECREF(index);
+    }
+    int ok = r->live != NULL && PyList_CheckExact(r->hashes) && PyFloat_CheckExact(now)
+             && (PyODict_CheckExact(r->map) || PyDict_CheckExact(r->map)) && PyDict_CheckExact(r->live);
+    if (ok)
+        r->now = PyFloat_AS_DOUBLE(now);
+    else
+        depth_reader_clear(r);
+    Py_XDECREF(now);
+    PyErr_Clear();
+    return ok;
+}
+
 /* PrefixIndex.depth_of(hashes, worker_id, now): how many leading hashes ``wid`` holds unexpired.
- * >= 0; -1 with an exception set; -2 where an expiry is not a float (matches.get answers). */
+ * >= 0; -1 with an exception set; -2 where a chain hash is not an exact int or an expiry not an
+ * exact float (matches.get answers). The worker id, hash or holder a lookup compares may run
+ * Python code that changes the index: what is read is held meanwhile. */
 static long long
 read_depth(depth_reader *r, PyObject *wid)
 {
-    PyObject *holder = PyDict_GetItemWithError(r->live, wid);  /* borrowed; no Python code runs below */
+    PyObject *holder = PyDict_GetItemWithError(r->live, wid);
     if (holder == NULL)
         return PyErr_Occurred() ? -1 : 0;
+    Py_INCREF(holder);
     long long depth = 0;
     for (Py_ssize_t k = 0; k < PyList_GET_SIZE(r->hashes); k++) {
-        PyObject *entry = PyDict_GetItemWithError(r->map, PyList_GET_ITEM(r->hashes, k));
-        if (entry == NULL)
-            return PyErr_Occurred() ? -1 : depth;
-        if (!PyDict_CheckExact(entry))
-            return -2;
-        PyObject *expiry = PyDict_GetItemWithError(entry, holder);
-        double e;
-        if (expiry == NULL) {
+        PyObject *h = PyList_GET_ITEM(r->hashes, k);
+        if (!PyLong_CheckExact(h)) {
+            depth = -2;  /* its __eq__ or __hash__ could be anything */
+            break;
+        }
+        Py_INCREF(h);
+        PyObject *entry = PyDict_GetItemWithError(r->map, h);
+        Py_DECREF(h);
+        if (entry == NULL) {
             if (PyErr_Occurred())
-                return -1;
-            e = 0.0;  /* entry.get(holder, 0.0) */
+                depth = -1;
+            break;
         }
-        else if (PyFloat_CheckExact(expiry)) {
-            e = PyFloat_AS_DOUBLE(expiry);
+        if (!PyDict_CheckExact(entry)) {
+            depth = -2;
+            break;
         }
-        else {
-            return -2;
+        Py_INCREF(entry);
+        PyObject *expiry = PyDict_GetItemWithError(entry, holder);
+        double e = 0.0;  /* entry.get(holder, 0.0) */
+        int usable = 1;
+        if (expiry != NULL) {
+            if (PyFloat_CheckExact(expiry))
+                e = PyFloat_AS_DOUBLE(expiry);
+            else
+                usable = 0;
+        }
+        else if (PyErr_Occurred()) {
+            usable = -1;
+        }
+        Py_DECREF(entry);
+        if (usable <= 0) {
+            depth = usable < 0 ? -1 : -2;
+            break;
         }
         if (e <= r->now)
-            return depth;
+            break;
         depth++;
     }
+    Py_DECREF(holder);
     return depth;
 }
 
@@ -279,8 +296,6 @@ build_records(PyObject *ids, PyObject *successors, PyObject *matches, int deep, 
     Py_ssize_t n = PyList_GET_SIZE(ids);
     depth_reader depths = {NULL, NULL, NULL, 0.0};
     int direct = deep ? depth_reader_init(&depths, matches) : 0;
-    if (direct < 0)
-        return NULL;
     PyObject *out = PyList_New(n);
     if (out == NULL) {
         depth_reader_clear(&depths);
@@ -1151,6 +1166,8 @@ hot_refresh(PyObject *self, PyObject *w)
     if (base == 0.0)
         return PyObject_CallOneArg(py_refresh, w);  /* Python raises ZeroDivisionError */
     double slots = (double)max_seqs;
+    if (slots == 0.0)
+        return PyObject_CallOneArg(py_refresh, w);  /* Python divides by it, or raises ZeroDivisionError */
     if (capacity > 0 && running > 0 && tokens > 0) {
         /* running * capacity_tokens / tokens: Python's exact int product, then its correctly
          * rounded int division -- the same double while the product is exact as a double */
@@ -1178,12 +1195,14 @@ hot_refresh(PyObject *self, PyObject *w)
 }
 
 static PyObject *py_push = NULL;  /* router.routing.load's Python push (bind_refresh) */
-static PyObject *str_counter = NULL, *str_heap = NULL, *str_workers = NULL, *str_compact = NULL;
+static PyObject *str_counter = NULL, *str_heap = NULL, *str_workers = NULL, *str_compact = NULL,
+                *str_busy_until = NULL, *str_worker_id = NULL;
 static PyObject *heappush_fn = NULL;
 
 /* push(board, w): router.routing.load.push_python -- ``w`` on the board's least-loaded heap at its
- * busy_until with the counter's next version, the heap compacted when it has grown 4x -- or the
- * Python function where the board's parts are not a list, a dict and an iterator. */
+ * busy_until with the counter's next version, the heap compacted when it has grown 4x -- step by
+ * step in Python's order (so an attribute that is missing, or that Python code changes on the way,
+ * gives Python's error at the same point); the Python function where ``w`` is not a WorkerLoad. */
 static PyObject *
 hot_push(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1195,46 +1214,70 @@ hot_push(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_RuntimeError, "_hotloop.push: bind() and bind_refresh() first");
         return NULL;
     }
-    PyObject *board = args[0], *w = args[1], *result = NULL;
+    PyObject *board = args[0], *w = args[1];
+    if (!Py_IS_TYPE(w, load_type))
+        return PyObject_Vectorcall(py_push, args, 2, NULL);
+    /* w.heap_version = version = next(board._counter) */
     PyObject *counter = PyObject_GetAttr(board, str_counter);
-    PyObject *heap = counter == NULL ? NULL : PyObject_GetAttr(board, str_heap);
-    PyObject *workers = heap == NULL ? NULL : PyObject_GetAttr(board, str_workers);
-    if (workers == NULL) {
-        PyErr_Clear();
-        goto python;
+    if (counter == NULL)
+        return NULL;
+    if (!PyIter_Check(counter)) {
+        PyErr_Format(PyExc_TypeError, "'%.200s' object is not an iterator", Py_TYPE(counter)->tp_name);
+        Py_DECREF(counter);
+        return NULL;
     }
-    if (!Py_IS_TYPE(w, load_type) || !PyIter_Check(counter) || !PyList_CheckExact(heap) || !PyDict_CheckExact(workers)
-            || SLOT(w, load_off[W_BUSY_UNTIL]) == NULL || SLOT(w, load_off[W_WORKER_ID]) == NULL)
-        goto python;
     PyObject *version = PyIter_Next(counter);
+    Py_DECREF(counter);
     if (version == NULL) {
         if (!PyErr_Occurred())
             PyErr_SetNone(PyExc_StopIteration);
+        return NULL;
+    }
+    set_slot(w, W_HEAP_VERSION, Py_NewRef(version));  /* the old value's __del__ may run: read w after */
+    /* heapq.heappush(board._heap, (w.busy_until, version, w.worker_id)) */
+    PyObject *heap = PyObject_GetAttr(board, str_heap), *item = NULL, *workers = NULL, *result = NULL;
+    if (heap == NULL)
+        goto done;
+    PyObject *busy_until = SLOT(w, load_off[W_BUSY_UNTIL]), *worker_id = SLOT(w, load_off[W_WORKER_ID]);
+    if (busy_until == NULL || worker_id == NULL) {  /* deleted: Python's AttributeError */
+        PyObject *missing = PyObject_GetAttr(w, busy_until == NULL ? str_busy_until : str_worker_id);
+        if (missing != NULL) {  /* (a slot that reads as NULL raises) */
+            Py_DECREF(missing);
+            PyErr_SetString(PyExc_RuntimeError, "_hotloop.push: a WorkerLoad slot read back unset");
+        }
         goto done;
     }
-    set_slot(w, W_HEAP_VERSION, Py_NewRef(version));
-    PyObject *item = PyTuple_Pack(3, SLOT(w, load_off[W_BUSY_UNTIL]), version, SLOT(w, load_off[W_WORKER_ID]));
-    Py_DECREF(version);
+    item = PyTuple_Pack(3, busy_until, version, worker_id);
     if (item == NULL)
         goto done;
     PyObject *push_args[2] = {heap, item};
     PyObject *pushed = PyObject_Vectorcall(heappush_fn, push_args, 2, NULL);
-    Py_DECREF(item);
     if (pushed == NULL)
         goto done;
     Py_DECREF(pushed);
-    if (PyList_GET_SIZE(heap) > 4 * PyDict_GET_SIZE(workers) + 64) {
-        result = PyObject_CallMethodNoArgs(board, str_compact);
+    /* if len(heap) > 4 * len(board._workers) + 64: board._compact() */
+    Py_ssize_t heap_len = PyObject_Length(heap);
+    if (heap_len < 0)
         goto done;
-    }
-    result = Py_NewRef(Py_None);
-    goto done;
-python:
-    result = PyObject_Vectorcall(py_push, args, 2, NULL);
+    workers = PyObject_GetAttr(board, str_workers);
+    if (workers == NULL)
+        goto done;
+    Py_ssize_t n_workers = PyObject_Length(workers);
+    if (n_workers < 0)
+        goto done;
+    if (heap_len > 4 * n_workers + 64)
+        result = PyObject_CallMethodNoArgs(board, str_compact);
+    else
+        result = Py_NewRef(Py_None);
 done:
-    Py_XDECREF(counter);
+    Py_DECREF(version);
     Py_XDECREF(heap);
+    Py_XDECREF(item);
     Py_XDECREF(workers);
+    if (result != NULL && result != Py_None) {  /* push_python answers None whatever _compact() does */
+        Py_DECREF(result);
+        result = Py_NewRef(Py_None);
+    }
     return result;
 }
 
@@ -1300,6 +1343,8 @@ PyInit__hotloop(void)
     str_heap = PyUnicode_InternFromString("_heap");
     str_workers = PyUnicode_InternFromString("_workers");
     str_compact = PyUnicode_InternFromString("_compact");
+    str_busy_until = PyUnicode_InternFromString("busy_until");
+    str_worker_id = PyUnicode_InternFromString("worker_id");
     PyObject *heapq = PyImport_ImportModule("_heapq");
     if (heapq != NULL) {
         heappush_fn = PyObject_GetAttrString(heapq, "heappush");
@@ -1307,7 +1352,8 @@ PyInit__hotloop(void)
     }
     if (zero_int == NULL || zero_float == NULL || str_get == NULL || str_index == NULL || str_hashes == NULL
             || str_now == NULL || str_map == NULL || str_live == NULL || str_counter == NULL || str_heap == NULL
-            || str_workers == NULL || str_compact == NULL || heappush_fn == NULL
+            || str_workers == NULL || str_compact == NULL || str_busy_until == NULL || str_worker_id == NULL
+            || heappush_fn == NULL
             || PyModule_AddIntConstant(m, "LAYOUT_VERSION", LAYOUT_VERSION) < 0) {
         Py_DECREF(m);
         return NULL;

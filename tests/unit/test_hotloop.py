@@ -531,3 +531,163 @@ def test_the_least_loaded_heap_gets_the_same_entries_pushed_in_c_and_python():
         assert len(boards[0]._heap) <= 4 * 20 + 64 + 1
     versions = [[w.heap_version for w in board._workers.values()] for board in boards]
     assert versions[0] == versions[1]
+
+
+def _run_isolated(code: str) -> str:
+    """Run ``code`` in a fresh interpreter with debug allocators (a crash fails the test, not the
+    test run); its stdout."""
+    import subprocess
+    import sys
+    import textwrap
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "PYTHONMALLOC": "debug"}  # freed memory is overwritten: a use after free shows
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    return done.stdout
+
+
+@needs_c
+def test_a_chain_hash_that_is_not_an_int_leaves_the_depth_to_the_lookups_get():
+    """Its __eq__ (run by the index's dict lookup) drops the worker's holder; the C loop must not
+    read the holder it borrowed, and answers as ``get`` (depth_of) does: 0."""
+    out = _run_isolated("""
+        import gc
+        from router.routing import hotloop
+        from router.routing.balancer import _DepthLookup
+        from router.routing.index import PrefixIndex
+        from router.routing.load import LoadBoard
+        index = PrefixIndex()
+        index.insert([1, 2, 3], "a", 0.0, True)
+        class Hash(int):
+            __hash__ = int.__hash__
+            def __eq__(self, other):
+                holder = index._live.pop("a")
+                for entry in index._map.values():
+                    entry.pop(holder, None)
+                del holder
+                gc.collect()
+                return int(self) == int(other)
+        board = LoadBoard()
+        board.add_worker("a")
+        lookup = _DepthLookup({}, index, [Hash(1), 2, 3], 100.0)
+        built = hotloop.hot.candidates(["a"], ["a"], lookup, True, {}, board.loads(), 10.0, 100, 100.0)
+        print([c.matched_chunks for c in built])
+    """)
+    assert out == "[0]\n"
+
+
+@needs_c
+def test_a_depth_lookup_that_cannot_be_read_directly_holds_nothing_and_raises_only_as_python_would():
+    """Its ``_now`` raises: the C loop takes nothing it keeps (no reference leaked per call), and
+    raises only where Python's loop calls ``get`` (a worker that is not among the longest matches)."""
+    from router.routing.balancer import _DepthLookup
+    from router.routing.index import PrefixIndex
+    import sys
+
+    class Lookup(_DepthLookup):
+        @property
+        def _now(self):
+            raise RuntimeError("boom")
+
+        @_now.setter
+        def _now(self, value):
+            pass
+
+    index = PrefixIndex()
+    index.insert([1, 2], "a", 0.0, True)
+    board = LoadBoard()
+    board.add_worker("a")
+    loads = board.loads()
+    hashes = [1, 2]
+    before = sys.getrefcount(hashes), sys.getrefcount(index._map), sys.getrefcount(index._live)
+
+    for _ in range(100):
+        with pytest.raises(RuntimeError, match="boom"):
+            C_LOOPS.candidates(["a"], ["a"], Lookup({}, index, hashes, 100.0), True, {}, loads, 10.0, 100, 100.0)
+    (c,) = C_LOOPS.candidates(["a"], ["a"], Lookup({"a": 2}, index, hashes, 100.0), True, {}, loads, 10.0, 100, 100.0)
+
+    assert c.matched_chunks == 2
+    assert (sys.getrefcount(hashes), sys.getrefcount(index._map), sys.getrefcount(index._live)) == before
+
+
+@needs_c
+@pytest.mark.parametrize("in_system", [0, 2])
+def test_a_worker_with_no_sequence_slots_is_refreshed_as_python_does(in_system):
+    """max_num_seqs 0: Python divides by the slots (ZeroDivisionError once a request waits)."""
+    from router.routing.load import WorkerLoad
+
+    outcomes = []
+    for refresh in (C_LOOPS.refresh, board_module.refresh_python):
+        w = WorkerLoad("w", 1000.0, 0.01, 512, 4, 16, 64, 1.0)
+        w.max_num_seqs, w.in_system = 0, in_system
+        try:
+            refresh(w)
+            outcomes.append((w.rate_now, w.slot_wait_s, w.over_limit_now))
+        except ZeroDivisionError as exc:
+            outcomes.append((w.rate_now, str(exc)))
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[0][1] == "float division by zero"  # a request ahead (the new one): Python divides
+
+
+@needs_c
+def test_a_push_whose_old_version_deletes_busy_until_raises_as_python_does():
+    """The old heap_version's __del__ (run when push replaces it) deletes busy_until: both raise
+    Python's AttributeError after taking the version, and neither pushes."""
+    out = _run_isolated("""
+        from router.routing import hotloop, load
+        for push in (hotloop.hot.push, load.push_python):
+            board = load.LoadBoard()
+            w = board.add_worker("a")
+            class Version:
+                def __del__(self):
+                    del w.busy_until
+            w.heap_version = Version()
+            heap = list(board._heap)
+            try:
+                push(board, w)
+                print("returned")
+            except AttributeError as exc:
+                print(repr(exc), w.heap_version, board._heap == heap)
+    """)
+    first, second = out.splitlines()
+    assert first == second
+    assert first.startswith("AttributeError(\"'WorkerLoad' object has no attribute 'busy_until'\")")
+
+
+@needs_c
+def test_a_push_reads_the_boards_parts_once_and_in_pythons_order():
+    """A board whose ``_workers`` cannot be read: C and Python take one version, read ``_heap``
+    once, push the entry, then raise the same error."""
+    results = []
+    for push in (C_LOOPS.push, board_module.push_python):
+        reads = []
+
+        class Board(LoadBoard):
+            @property
+            def _heap(self):
+                reads.append("_heap")
+                return self.__dict__["heap"]
+
+            @_heap.setter
+            def _heap(self, value):
+                self.__dict__["heap"] = value
+
+            @property
+            def _workers(self):
+                raise LookupError("no workers")
+
+            @_workers.setter
+            def _workers(self, value):
+                self.__dict__["workers"] = value
+
+        board = Board()
+        w = board_module.WorkerLoad("a", 1000.0, 0.01, 512, 4, 16, 64, 1.0)
+        w.busy_until = 3.0
+        reads.clear()
+        with pytest.raises(LookupError, match="no workers"):
+            push(board, w)
+        results.append((reads, w.heap_version, board.__dict__["heap"]))
+    assert results[0] == results[1]
+    assert results[0][0] == ["_heap"]

@@ -9,7 +9,8 @@ and across their crossing (compute- and memory-bound first, parallel lines, runs
 steps, cuts at any elapsed time) go through both :mod:`bench.sim.decode_run` and the C module; every
 time, cut and speed estimate must be the same float to the bit (compared as ``float.hex()``).
 Arguments the C functions were not written for (ints, NaN, a meter whose clipping acts) must give
-Python's answer or error too.
+Python's answer or error too, and events the compiled loop was not written for (odd times, entries,
+indexes, arguments; some run Python code that changes the heaps) are left to the Python loop.
 """
 from __future__ import annotations
 
@@ -204,3 +205,74 @@ def test_the_decode_heaps_are_read_and_popped_alike():
             out.append([(t, d) for t, d, _ in finish] + [(t, d, n) for t, d, n, _ in block])
             results.append(out)
         assert results[0] == results[1]
+
+
+def _run_isolated(code: str) -> str:
+    """Run ``code`` in a fresh interpreter with debug allocators (a crash fails the test, not the
+    test run); its stdout."""
+    import subprocess
+    import sys
+    import textwrap
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "PYTHONMALLOC": "debug"}  # freed memory is overwritten: a use after free shows
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    return done.stdout
+
+
+@needs_c
+def test_int_step_terms_get_pythons_exact_int_arithmetic():
+    """With int terms Python's sums and products are exact ints (overhead * k, c0 - m0): the C
+    functions, which would round them as doubles, hand them over."""
+    run = (-651965, 962499, -694441, -446747, -863393, 662850267753)
+    assert C.decode_run_time(*run) == decode_run.decode_run_time(*run)
+    for elapsed in (0.5, 10**6, 10**12):
+        assert C.decode_run_cut(elapsed, *run) == decode_run.decode_run_cut(elapsed, *run)
+        assert C.decode_steps_done_by(elapsed, *run) == decode_run.decode_steps_done_by(elapsed, *run)
+
+
+@needs_c
+def test_a_time_whose_conversion_empties_the_delayed_calls_is_left_to_the_python_loop():
+    """A time that is not a float (its __float__ here empties the heap) stops the compiled loop
+    before it reads anything: nothing handled, the heap as it was."""
+    out = _run_isolated("""
+        import gc
+        from bench.sim import simloop
+        delayed = []
+        class Time:
+            def __float__(self):
+                delayed.clear(); gc.collect(); return 0.0
+        delayed.append((Time(), 1, print, ("r", 0.0)))
+        inf = float("inf")
+        print(simloop.compiled.drain_events([], delayed, [], 10.0, inf, 0, 0.0, 0.0, print, print, print), len(delayed))
+    """)
+    assert out == "None 1\n"
+
+
+@needs_c
+def test_delayed_call_arguments_that_are_not_a_tuple_are_left_to_the_python_loop():
+    """Python's handler(*args) takes a list too; the compiled loop leaves such a call to it."""
+    out = _run_isolated("""
+        from bench.sim import simloop
+        calls = []
+        def on_finish(*args): calls.append(args)
+        delayed = [(0.0, 1, on_finish, ["r", 0.0])]
+        inf = float("inf")
+        print(simloop.compiled.drain_events([], delayed, [], 10.0, inf, 0, 0.0, 0.0, print, print, on_finish),
+              len(delayed), calls)
+    """)
+    assert out == "None 1 []\n"
+
+
+@needs_c
+@pytest.mark.parametrize("entry", [(0.0, 1, -1, 0), [0.0, 1, 0, 0], (0, 1, 0, 0), (0.0, 1, 0.0, 0), (0.0, 1, 5, 0)],
+                         ids=["negative-index", "list", "int-time", "float-index", "index-past-the-end"])
+def test_an_event_the_compiled_loop_was_not_written_for_is_left_to_the_python_loop(entry):
+    """workers[-1], a list entry, an int time...: the Python loop's own answer (or error), so the
+    compiled one handles nothing and leaves the heap as it was."""
+    heap = [entry]
+    inf = float("inf")
+    assert C.drain_events(heap, [], [object()], 10.0, inf, 0, 0.0, 0.0, print, print, print) is None
+    assert heap == [entry]
