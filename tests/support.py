@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, TypeVar
 
 from protocol.loopback import free_port, http_ok, wait_http_ok
 
-__all__ = ["ROOT", "Proc", "free_port", "http_ok", "processes", "spawn", "wait_for"]
+__all__ = ["ROOT", "Proc", "free_port", "http_ok", "processes", "run_isolated", "spawn", "wait_for"]
 
 ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
@@ -123,3 +123,15 @@ async def completions_server(handler: Callable[[Any], Any]) -> AsyncIterator[str
         yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
     finally:
         await runner.cleanup()
+
+
+def run_isolated(code: str) -> str:
+    """Run ``code`` in a fresh interpreter with the debug allocators (freed memory is overwritten,
+    so a use after free shows; a crash fails the test, not the test run); its stdout."""
+    import textwrap
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "PYTHONMALLOC": "debug"}
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    return done.stdout

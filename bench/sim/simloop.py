@@ -18,10 +18,9 @@ an exact float, a negative worker index...), which the Python loop then handles.
 """
 from __future__ import annotations
 
-import os
 from types import ModuleType
 
-from router.routing.hotloop import PURE_PYTHON_ENV
+from router.routing.hotloop import optional_extension
 
 from bench.sim import decode_heaps, decode_run
 
@@ -31,11 +30,8 @@ __all__ = ["compiled", "decode_run_cut", "decode_run_time", "decode_steps_done_b
 
 def load() -> ModuleType | None:
     """The C module, bound to the Python functions it hands unusual arguments to; or None."""
-    if os.environ.get(PURE_PYTHON_ENV, "").strip().lower() not in ("", "0", "false", "no"):
-        return None
-    try:
-        from bench.sim import _simloop  # type: ignore[attr-defined]
-    except ImportError:
+    _simloop = optional_extension("bench.sim._simloop")
+    if _simloop is None:
         return None
     _simloop.bind(decode_run.decode_run_time, decode_run._steps_done_by, decode_run.decode_steps_done_by,
                   decode_run.decode_run_cut, decode_run.observe_decode_run)

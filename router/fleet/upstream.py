@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import errno
-import os
 import re
 import socket
 import time
@@ -39,6 +38,8 @@ from urllib.parse import urlsplit
 
 import aiohttp
 from multidict import CIMultiDict, CIMultiDictProxy
+
+from router.routing.hotloop import optional_extension
 
 HIGH_WATER = 256 * 1024
 LOW_WATER = 64 * 1024
@@ -56,22 +57,11 @@ _STATUS_LINES: dict[str, tuple[str, int]] = {}  # status lines that matched: (HT
 _HEADER_BLOCK = re.compile(rf"(?:{HTTP_TOKEN}:[^\r\n]*\r\n)*")
 _HEADER = re.compile(rf"({HTTP_TOKEN}):[\t ]*([^\r\n]*)\r\n")
 _NO_HEADERS: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())  # until the answer's are in
-PURE_PYTHON_ENV = "PREFIXLB_PURE_PYTHON"  # as router/routing/hotloop.py: the Python code alone
 
 
-def _compiled_wire():
-    """``_wire.c``'s header loops (each answers as the Python code here, or declines), or None:
-    not built (the extension is optional), or turned off with ``PREFIXLB_PURE_PYTHON=1``."""
-    if os.environ.get(PURE_PYTHON_ENV, "").strip().lower() not in ("", "0", "false", "no"):
-        return None
-    try:
-        from router.fleet import _wire  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    return _wire
-
-
-wire = _compiled_wire()
+# ``_wire.c``'s header loops (each answers as the Python code here, or declines), or None: not
+# built (the extension is optional), or turned off with ``PREFIXLB_PURE_PYTHON=1``.
+wire = optional_extension("router.fleet._wire")
 _HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_CRLF, _TRAILERS, _UNTIL_EOF, _DONE = range(8)
 
 
@@ -405,20 +395,17 @@ class UpstreamResponse:
             if self._state == _DONE:
                 return b""
             await self._wait()
-        chunks = self._chunks
-        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
-        chunks.clear()
-        self._buffered = 0
-        if self._paused and self._conn.transport is not None:
-            self._paused = False
-            self._conn.transport.resume_reading()
-        return data
+        return self._take_buffered()
 
     def body_nowait(self, limit: int) -> bytes | None:
         """The whole body, when all of it is in (and not failed) and it is at most ``limit``
         bytes: what reading it to its end would give, without waiting. Else None (nothing read)."""
         if self._state != _DONE or self._exc is not None or self._buffered > limit:
             return None
+        return self._take_buffered()
+
+    def _take_buffered(self) -> bytes:
+        """Every buffered body byte, taken (reading resumes if it was paused for them)."""
         chunks = self._chunks
         data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
         chunks.clear()

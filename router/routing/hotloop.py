@@ -13,6 +13,7 @@ Python's answer or error.
 """
 from __future__ import annotations
 
+import importlib
 import os
 import warnings
 from types import ModuleType
@@ -25,13 +26,27 @@ LAYOUT_VERSION = 6  # the C module's LAYOUT_VERSION this code calls it with
 PURE_PYTHON_ENV = "PREFIXLB_PURE_PYTHON"
 
 
-def load() -> ModuleType | None:
-    """The bound C module, or None (see the module docstring)."""
-    if os.environ.get(PURE_PYTHON_ENV, "").strip().lower() not in ("", "0", "false", "no"):
+def pure_python_requested() -> bool:
+    """``PREFIXLB_PURE_PYTHON`` is set (not empty, 0, false or no): every optional C extension
+    (this one, ``router/fleet/_wire.c``, ``bench/sim/_simloop.c``) stays unloaded."""
+    return os.environ.get(PURE_PYTHON_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def optional_extension(name: str) -> ModuleType | None:
+    """The optional C extension module ``name``, or None: not built (no compiler at install) or
+    turned off (:func:`pure_python_requested`)."""
+    if pure_python_requested():
         return None
     try:
-        from router.routing import _hotloop  # type: ignore[attr-defined]
+        return importlib.import_module(name)
     except ImportError:
+        return None
+
+
+def load() -> ModuleType | None:
+    """The bound C module, or None (see the module docstring)."""
+    _hotloop = optional_extension("router.routing._hotloop")
+    if _hotloop is None:
         return None
     if getattr(_hotloop, "LAYOUT_VERSION", None) != LAYOUT_VERSION:
         warnings.warn(f"router/routing/_hotloop was built from another version of its source "

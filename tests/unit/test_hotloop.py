@@ -9,8 +9,8 @@ cost, to the bit) and every candidate set.
 """
 from __future__ import annotations
 
-import math
 import importlib.util
+import math
 import os
 import random
 import shutil
@@ -26,6 +26,7 @@ from router.routing.load import LoadBoard, SpeedProfile
 from router.routing.policies import get_policy
 from router.routing.policy import Candidate, NoCapacity, PolicyConfig, RouteRequest
 from router.routing.prompt import prompt_key
+from tests.support import run_isolated
 
 C_LOOPS = hotloop.hot
 needs_c = pytest.mark.skipif(C_LOOPS is None, reason="the C loops are not built (no compiler, or PREFIXLB_PURE_PYTHON)")
@@ -533,26 +534,11 @@ def test_the_least_loaded_heap_gets_the_same_entries_pushed_in_c_and_python():
     assert versions[0] == versions[1]
 
 
-def _run_isolated(code: str) -> str:
-    """Run ``code`` in a fresh interpreter with debug allocators (a crash fails the test, not the
-    test run); its stdout."""
-    import subprocess
-    import sys
-    import textwrap
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "PYTHONMALLOC": "debug"}  # freed memory is overwritten: a use after free shows
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=60)
-    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
-    return done.stdout
-
-
 @needs_c
 def test_a_chain_hash_that_is_not_an_int_leaves_the_depth_to_the_lookups_get():
     """Its __eq__ (run by the index's dict lookup) drops the worker's holder; the C loop must not
     read the holder it borrowed, and answers as ``get`` (depth_of) does: 0."""
-    out = _run_isolated("""
+    out = run_isolated("""
         import gc
         from router.routing import hotloop
         from router.routing.balancer import _DepthLookup
@@ -635,7 +621,7 @@ def test_a_worker_with_no_sequence_slots_is_refreshed_as_python_does(in_system):
 def test_a_push_whose_old_version_deletes_busy_until_raises_as_python_does():
     """The old heap_version's __del__ (run when push replaces it) deletes busy_until: both raise
     Python's AttributeError after taking the version, and neither pushes."""
-    out = _run_isolated("""
+    out = run_isolated("""
         from router.routing import hotloop, load
         for push in (hotloop.hot.push, load.push_python):
             board = load.LoadBoard()

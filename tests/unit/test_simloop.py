@@ -29,6 +29,7 @@ from bench.sim import decode_heaps, decode_run, simloop
 from bench.sim.fleet import FleetConfig, simulate
 from bench.sim.router import SimRouterConfig
 from bench.workloads import load_workload
+from tests.support import run_isolated
 
 C = simloop.compiled
 needs_c = pytest.mark.skipif(C is None, reason="bench/sim/_simloop is not built (no compiler, or PREFIXLB_PURE_PYTHON)")
@@ -207,21 +208,6 @@ def test_the_decode_heaps_are_read_and_popped_alike():
         assert results[0] == results[1]
 
 
-def _run_isolated(code: str) -> str:
-    """Run ``code`` in a fresh interpreter with debug allocators (a crash fails the test, not the
-    test run); its stdout."""
-    import subprocess
-    import sys
-    import textwrap
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "PYTHONMALLOC": "debug"}  # freed memory is overwritten: a use after free shows
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=60)
-    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
-    return done.stdout
-
-
 @needs_c
 def test_int_step_terms_get_pythons_exact_int_arithmetic():
     """With int terms Python's sums and products are exact ints (overhead * k, c0 - m0): the C
@@ -237,7 +223,7 @@ def test_int_step_terms_get_pythons_exact_int_arithmetic():
 def test_a_time_whose_conversion_empties_the_delayed_calls_is_left_to_the_python_loop():
     """A time that is not a float (its __float__ here empties the heap) stops the compiled loop
     before it reads anything: nothing handled, the heap as it was."""
-    out = _run_isolated("""
+    out = run_isolated("""
         import gc
         from bench.sim import simloop
         delayed = []
@@ -254,7 +240,7 @@ def test_a_time_whose_conversion_empties_the_delayed_calls_is_left_to_the_python
 @needs_c
 def test_delayed_call_arguments_that_are_not_a_tuple_are_left_to_the_python_loop():
     """Python's handler(*args) takes a list too; the compiled loop leaves such a call to it."""
-    out = _run_isolated("""
+    out = run_isolated("""
         from bench.sim import simloop
         calls = []
         def on_finish(*args): calls.append(args)
