@@ -26,7 +26,7 @@
 #pragma STDC FP_CONTRACT OFF
 #endif
 
-#define LAYOUT_VERSION 6
+#define LAYOUT_VERSION 7
 
 enum { C_WORKER_ID, C_TOKENS_PER_S, C_CACHED, C_PENDING, C_IN_SYSTEM, C_OVER_LIMIT, C_RING_RANK,
        C_MATCHED, C_SERVICE, C_TRANSFER, C_ADAPTER, C_FIELDS };
@@ -1194,116 +1194,22 @@ hot_refresh(PyObject *self, PyObject *w)
     Py_RETURN_NONE;
 }
 
-static PyObject *py_push = NULL;  /* router.routing.load's Python push (bind_refresh) */
-static PyObject *str_counter = NULL, *str_heap = NULL, *str_workers = NULL, *str_compact = NULL,
-                *str_busy_until = NULL, *str_worker_id = NULL;
-static PyObject *heappush_fn = NULL;
-
-/* push(board, w): router.routing.load.push_python -- ``w`` on the board's least-loaded heap at its
- * busy_until with the counter's next version, the heap compacted when it has grown 4x -- step by
- * step in Python's order (so an attribute that is missing, or that Python code changes on the way,
- * gives Python's error at the same point); the Python function where ``w`` is not a WorkerLoad. */
+/* bind_refresh(refresh_python): the Python function refresh() hands what it was not written for to. */
 static PyObject *
-hot_push(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+hot_bind_refresh(PyObject *self, PyObject *refresh)
 {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "push(board, w)");
-        return NULL;
-    }
-    if (load_type == NULL || py_push == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "_hotloop.push: bind() and bind_refresh() first");
-        return NULL;
-    }
-    PyObject *board = args[0], *w = args[1];
-    if (!Py_IS_TYPE(w, load_type))
-        return PyObject_Vectorcall(py_push, args, 2, NULL);
-    /* w.heap_version = version = next(board._counter) */
-    PyObject *counter = PyObject_GetAttr(board, str_counter);
-    if (counter == NULL)
-        return NULL;
-    if (!PyIter_Check(counter)) {
-        PyErr_Format(PyExc_TypeError, "'%.200s' object is not an iterator", Py_TYPE(counter)->tp_name);
-        Py_DECREF(counter);
-        return NULL;
-    }
-    PyObject *version = PyIter_Next(counter);
-    Py_DECREF(counter);
-    if (version == NULL) {
-        if (!PyErr_Occurred())
-            PyErr_SetNone(PyExc_StopIteration);
-        return NULL;
-    }
-    set_slot(w, W_HEAP_VERSION, Py_NewRef(version));  /* the old value's __del__ may run: read w after */
-    /* heapq.heappush(board._heap, (w.busy_until, version, w.worker_id)) */
-    PyObject *heap = PyObject_GetAttr(board, str_heap), *item = NULL, *workers = NULL, *result = NULL;
-    if (heap == NULL)
-        goto done;
-    PyObject *busy_until = SLOT(w, load_off[W_BUSY_UNTIL]), *worker_id = SLOT(w, load_off[W_WORKER_ID]);
-    if (busy_until == NULL || worker_id == NULL) {  /* deleted: Python's AttributeError */
-        PyObject *missing = PyObject_GetAttr(w, busy_until == NULL ? str_busy_until : str_worker_id);
-        if (missing != NULL) {  /* (a slot that reads as NULL raises) */
-            Py_DECREF(missing);
-            PyErr_SetString(PyExc_RuntimeError, "_hotloop.push: a WorkerLoad slot read back unset");
-        }
-        goto done;
-    }
-    item = PyTuple_Pack(3, busy_until, version, worker_id);
-    if (item == NULL)
-        goto done;
-    PyObject *push_args[2] = {heap, item};
-    PyObject *pushed = PyObject_Vectorcall(heappush_fn, push_args, 2, NULL);
-    if (pushed == NULL)
-        goto done;
-    Py_DECREF(pushed);
-    /* if len(heap) > 4 * len(board._workers) + 64: board._compact() */
-    Py_ssize_t heap_len = PyObject_Length(heap);
-    if (heap_len < 0)
-        goto done;
-    workers = PyObject_GetAttr(board, str_workers);
-    if (workers == NULL)
-        goto done;
-    Py_ssize_t n_workers = PyObject_Length(workers);
-    if (n_workers < 0)
-        goto done;
-    if (heap_len > 4 * n_workers + 64)
-        result = PyObject_CallMethodNoArgs(board, str_compact);
-    else
-        result = Py_NewRef(Py_None);
-done:
-    Py_DECREF(version);
-    Py_XDECREF(heap);
-    Py_XDECREF(item);
-    Py_XDECREF(workers);
-    if (result != NULL && result != Py_None) {  /* push_python answers None whatever _compact() does */
-        Py_DECREF(result);
-        result = Py_NewRef(Py_None);
-    }
-    return result;
-}
-
-/* bind_refresh(refresh_python, push_python): the Python functions refresh() and push() hand what
- * they were not written for to. */
-static PyObject *
-hot_bind_refresh(PyObject *self, PyObject *args)
-{
-    PyObject *refresh, *push;
-    if (!PyArg_ParseTuple(args, "OO", &refresh, &push))
-        return NULL;
-    if (!PyCallable_Check(refresh) || !PyCallable_Check(push)) {
-        PyErr_SetString(PyExc_TypeError, "bind_refresh() takes two callables");
+    if (!PyCallable_Check(refresh)) {
+        PyErr_SetString(PyExc_TypeError, "bind_refresh() takes a callable");
         return NULL;
     }
     Py_XSETREF(py_refresh, Py_NewRef(refresh));
-    Py_XSETREF(py_push, Py_NewRef(push));
     Py_RETURN_NONE;
 }
 
 static PyMethodDef hot_methods[] = {
     {"bind", hot_bind, METH_VARARGS, "bind(Candidate, WorkerLoad, NOT_ON_RING): learn the records' slot layouts."},
-    {"bind_refresh", hot_bind_refresh, METH_VARARGS,
-     "bind_refresh(refresh_python, push_python): the Python functions for what refresh() and push() cannot do."},
-    {"push", (PyCFunction)(void (*)(void))hot_push, METH_FASTCALL,
-     "push(board, w): w on the board's least-loaded heap at its busy_until."},
+    {"bind_refresh", hot_bind_refresh, METH_O,
+     "bind_refresh(refresh_python): the Python function for what refresh() cannot do."},
     {"refresh", hot_refresh, METH_O, "refresh(w): a WorkerLoad's rate_now, slot_wait_s and over_limit_now brought up to date."},
     {"candidates", (PyCFunction)(void (*)(void))hot_candidates, METH_FASTCALL,
      "candidates(ids, successors, matches, deep, known, loads, chunk_tokens, cap, now) -> list | NotImplemented"},
@@ -1339,21 +1245,8 @@ PyInit__hotloop(void)
     str_now = PyUnicode_InternFromString("_now");
     str_map = PyUnicode_InternFromString("_map");
     str_live = PyUnicode_InternFromString("_live");
-    str_counter = PyUnicode_InternFromString("_counter");
-    str_heap = PyUnicode_InternFromString("_heap");
-    str_workers = PyUnicode_InternFromString("_workers");
-    str_compact = PyUnicode_InternFromString("_compact");
-    str_busy_until = PyUnicode_InternFromString("busy_until");
-    str_worker_id = PyUnicode_InternFromString("worker_id");
-    PyObject *heapq = PyImport_ImportModule("_heapq");
-    if (heapq != NULL) {
-        heappush_fn = PyObject_GetAttrString(heapq, "heappush");
-        Py_DECREF(heapq);
-    }
     if (zero_int == NULL || zero_float == NULL || str_get == NULL || str_index == NULL || str_hashes == NULL
-            || str_now == NULL || str_map == NULL || str_live == NULL || str_counter == NULL || str_heap == NULL
-            || str_workers == NULL || str_compact == NULL || str_busy_until == NULL || str_worker_id == NULL
-            || heappush_fn == NULL
+            || str_now == NULL || str_map == NULL || str_live == NULL
             || PyModule_AddIntConstant(m, "LAYOUT_VERSION", LAYOUT_VERSION) < 0) {
         Py_DECREF(m);
         return NULL;

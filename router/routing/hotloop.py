@@ -2,7 +2,7 @@
 
 ``hot`` is the C module, bound to this checkout's :class:`~router.routing.policy.Candidate` and
 :class:`~router.routing.load.WorkerLoad` layouts (and the LoadBoard's refresh of a worker's cached
-rate, slot wait and limit flag, and its heap push, made its ``refresh`` and ``push``), or ``None``:
+rate, slot wait and limit flag, made its ``refresh``), or ``None``:
 not built (no C compiler when the package was installed; ``setup.py`` makes the extension optional),
 built for another layout, or turned off with ``PREFIXLB_PURE_PYTHON=1``. With ``None`` the
 Balancer's candidate set and ``cache_aware`` run their Python loops; the decisions are the same
@@ -22,7 +22,7 @@ from router.routing import load as load_module
 from router.routing.load import WorkerLoad
 from router.routing.policy import NOT_ON_RING, Candidate
 
-LAYOUT_VERSION = 6  # the C module's LAYOUT_VERSION this code calls it with
+LAYOUT_VERSION = 7  # the C module's LAYOUT_VERSION this code calls it with
 PURE_PYTHON_ENV = "PREFIXLB_PURE_PYTHON"
 
 
@@ -58,13 +58,12 @@ def load() -> ModuleType | None:
     except (RuntimeError, TypeError) as exc:  # bound to other types already (a module reloaded), or a layout it cannot read
         warnings.warn(f"router/routing/_hotloop cannot be used here ({exc}): using the Python loops", RuntimeWarning)
         return None
-    _hotloop.bind_refresh(load_module.refresh_python, load_module.push_python)
+    _hotloop.bind_refresh(load_module.refresh_python)
     return _hotloop
 
 
 hot: ModuleType | None = load()
 if hot is not None:
-    # The LoadBoard refreshes a worker's cached figures and re-queues it on its heap millions of
-    # times a simulated run: its module-level refresh and push become the C ones (which hand
-    # anything unusual to the Python ones).
-    load_module._refresh, load_module._push = hot.refresh, hot.push
+    # The LoadBoard refreshes a worker's cached figures millions of times a simulated run: its
+    # module-level refresh becomes the C one (which hands anything unusual to the Python one).
+    load_module._refresh = hot.refresh

@@ -185,18 +185,6 @@ def refresh_python(w: WorkerLoad) -> None:
 _refresh = refresh_python  # router.routing.hotloop puts the compiled one here where it was built
 
 
-def push_python(board: "LoadBoard", w: WorkerLoad) -> None:
-    """Put ``w`` on ``board``'s least-loaded heap at its ``busy_until`` (older entries go stale)."""
-    w.heap_version = version = next(board._counter)
-    heap = board._heap
-    heapq.heappush(heap, (w.busy_until, version, w.worker_id))
-    if len(heap) > 4 * len(board._workers) + 64:
-        board._compact()
-
-
-_push = push_python  # as _refresh: the compiled one where it was built
-
-
 class LoadBoard:
     """Per-worker load estimates and a least-loaded heap. No I/O."""
 
@@ -225,7 +213,7 @@ class LoadBoard:
                        seqs, block_size or p.block_size, self._limit(seqs), p.service_s)
         self._workers[worker_id] = w
         _refresh(w)
-        _push(self, w)
+        self._push(w)
         return w
 
     def remove_worker(self, worker_id: str) -> None:
@@ -240,7 +228,7 @@ class LoadBoard:
         w = self._workers.get(worker_id)
         if w is not None and w.routable != routable:
             w.routable = routable
-            _push(self, w)
+            self._push(w)
 
     def set_cap(self, worker_id: str, cap: int) -> None:
         """Cap this router's in-flight requests to ``worker_id`` (0: no cap beyond the hard limit)."""
@@ -357,7 +345,7 @@ class LoadBoard:
         self._recount(w)
         queued = max(0, report.queued_prefill_tokens - prefilled_since)
         w.busy_until = at + (queued + unreported_tokens) / w.rate_now  # = w.rate(), just refreshed
-        _push(self, w)
+        self._push(w)
         return True
 
     def dispatch(self, worker_id: str, prefill_tokens: int, now: float) -> Ticket:
@@ -370,7 +358,7 @@ class LoadBoard:
         t.work_s = work_s = prefill_tokens / w.rate_now  # = w.rate(), just refreshed
         busy = w.busy_until
         w.busy_until = t.eta = (now if now > busy else busy) + work_s  # max(busy, now)
-        _push(self, w)
+        self._push(w)
         return t
 
     def prefilled(self, ticket: Ticket, now: float) -> None:
@@ -388,7 +376,7 @@ class LoadBoard:
             w.recent.append((now, ticket.sent_at, ticket.prefill_tokens, False))
             remaining = max(0.0, min(ticket.work_s, ticket.eta - now))
             w.busy_until = max(now, w.busy_until - remaining)
-            _push(self, w)
+            self._push(w)
 
     def finish(self, ticket: Ticket, now: float) -> None:
         """The request ended (completed, failed or cancelled)."""
@@ -438,6 +426,14 @@ class LoadBoard:
     def _refresh(w: WorkerLoad) -> None:
         """Bring ``w``'s cached ``rate_now``, ``slot_wait_s`` and ``over_limit_now`` up to date (after any change)."""
         _refresh(w)
+
+    def _push(self, w: WorkerLoad) -> None:
+        """Put ``w`` on the least-loaded heap at its ``busy_until`` (older entries go stale)."""
+        w.heap_version = version = next(self._counter)
+        heap = self._heap
+        heapq.heappush(heap, (w.busy_until, version, w.worker_id))
+        if len(heap) > 4 * len(self._workers) + 64:
+            self._compact()
 
     def _compact(self) -> None:
         workers = self._workers

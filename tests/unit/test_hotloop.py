@@ -57,7 +57,6 @@ def _history(seed: int, pure: bool, monkeypatch) -> list[tuple]:
     """One random history (see the module docstring); returns what every decision said."""
     monkeypatch.setattr(hotloop, "hot", None if pure else C_LOOPS)
     monkeypatch.setattr(board_module, "_refresh", board_module.refresh_python if pure else C_LOOPS.refresh)
-    monkeypatch.setattr(board_module, "_push", board_module.push_python if pure else C_LOOPS.push)
     rng = random.Random(seed)
     policy = rng.choice(["cache_aware", "cache_aware", "cache_aware", "least_load", "consistent_hash"])
     affinity = rng.choice([0.0, 0.2, 0.5, 0.8, 0.9, 1.0])
@@ -514,27 +513,6 @@ def test_a_workers_cached_figures_are_refreshed_to_the_same_floats_in_c_and_pyth
 
 
 @needs_c
-def test_the_least_loaded_heap_gets_the_same_entries_pushed_in_c_and_python():
-    """LoadBoard's push (version, heap entry, compaction) on random workers, both ways: the same heaps."""
-    assert board_module._push is C_LOOPS.push
-    rng = random.Random(3)
-    boards = [LoadBoard(SpeedProfile()), LoadBoard(SpeedProfile())]
-    for board in boards:
-        for i in range(20):
-            board.add_worker(f"w{i}")
-    for _ in range(5000):
-        name, busy = f"w{rng.randrange(20)}", rng.choice([0.0, rng.uniform(0, 100)])
-        for board, push in zip(boards, (C_LOOPS.push, board_module.push_python)):
-            w = board.get(name)
-            w.busy_until = busy
-            push(board, w)
-        assert boards[0]._heap == boards[1]._heap  # compacted alike too (20 workers: at most 144 entries)
-        assert len(boards[0]._heap) <= 4 * 20 + 64 + 1
-    versions = [[w.heap_version for w in board._workers.values()] for board in boards]
-    assert versions[0] == versions[1]
-
-
-@needs_c
 def test_a_chain_hash_that_is_not_an_int_leaves_the_depth_to_the_lookups_get():
     """Its __eq__ (run by the index's dict lookup) drops the worker's holder; the C loop must not
     read the holder it borrowed, and answers as ``get`` (depth_of) does: 0."""
@@ -617,63 +595,3 @@ def test_a_worker_with_no_sequence_slots_is_refreshed_as_python_does(in_system):
     assert outcomes[0][1] == "float division by zero"  # a request ahead (the new one): Python divides
 
 
-@needs_c
-def test_a_push_whose_old_version_deletes_busy_until_raises_as_python_does():
-    """The old heap_version's __del__ (run when push replaces it) deletes busy_until: both raise
-    Python's AttributeError after taking the version, and neither pushes."""
-    out = run_isolated("""
-        from router.routing import hotloop, load
-        for push in (hotloop.hot.push, load.push_python):
-            board = load.LoadBoard()
-            w = board.add_worker("a")
-            class Version:
-                def __del__(self):
-                    del w.busy_until
-            w.heap_version = Version()
-            heap = list(board._heap)
-            try:
-                push(board, w)
-                print("returned")
-            except AttributeError as exc:
-                print(repr(exc), w.heap_version, board._heap == heap)
-    """)
-    first, second = out.splitlines()
-    assert first == second
-    assert first.startswith("AttributeError(\"'WorkerLoad' object has no attribute 'busy_until'\")")
-
-
-@needs_c
-def test_a_push_reads_the_boards_parts_once_and_in_pythons_order():
-    """A board whose ``_workers`` cannot be read: C and Python take one version, read ``_heap``
-    once, push the entry, then raise the same error."""
-    results = []
-    for push in (C_LOOPS.push, board_module.push_python):
-        reads = []
-
-        class Board(LoadBoard):
-            @property
-            def _heap(self):
-                reads.append("_heap")
-                return self.__dict__["heap"]
-
-            @_heap.setter
-            def _heap(self, value):
-                self.__dict__["heap"] = value
-
-            @property
-            def _workers(self):
-                raise LookupError("no workers")
-
-            @_workers.setter
-            def _workers(self, value):
-                self.__dict__["workers"] = value
-
-        board = Board()
-        w = board_module.WorkerLoad("a", 1000.0, 0.01, 512, 4, 16, 64, 1.0)
-        w.busy_until = 3.0
-        reads.clear()
-        with pytest.raises(LookupError, match="no workers"):
-            push(board, w)
-        results.append((reads, w.heap_version, board.__dict__["heap"]))
-    assert results[0] == results[1]
-    assert results[0][0] == ["_heap"]
