@@ -13,7 +13,8 @@
  * offset from its member descriptor once, and the loops read and write the slots directly. A
  * _DepthLookup's depths (PrefixIndex.depth_of for a worker beyond the longest matches) are read
  * from the index's dicts here, without a Python call per worker (its ``get`` where they are not
- * plain dicts and floats).
+ * plain dicts and floats). PrefixIndex._match_many (a prefix more workers hold than a decision
+ * scores: a shared system prompt) reads the index's dicts the same way.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -26,7 +27,7 @@
 #pragma STDC FP_CONTRACT OFF
 #endif
 
-#define LAYOUT_VERSION 7
+#define LAYOUT_VERSION 8
 
 enum { C_WORKER_ID, C_TOKENS_PER_S, C_CACHED, C_PENDING, C_IN_SYSTEM, C_OVER_LIMIT, C_RING_RANK,
        C_MATCHED, C_SERVICE, C_TRANSFER, C_ADAPTER, C_FIELDS };
@@ -1120,6 +1121,230 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------ the index's many-holder match */
+
+static PyTypeObject *holder_type = NULL;  /* index._Holder, as last passed to match_many */
+static Py_ssize_t holder_worker_id_off = 0;
+static PyObject *str_move_to_end = NULL;
+static const char *const HOLDER_FIELDS[1] = {"worker_id"};
+
+/* A new reference to hashes[i] where it is an exact int (its lookups run no Python code of its
+ * own); NULL, no exception, where it is not or ``i`` is past the sequence's end (a list may have
+ * been changed by a map key's __eq__ meanwhile). */
+static PyObject *
+chain_hash(PyObject *hashes, Py_ssize_t i)
+{
+    PyObject *h;
+    if (PyList_CheckExact(hashes)) {
+        if (i >= PyList_GET_SIZE(hashes))
+            return NULL;
+        h = PyList_GET_ITEM(hashes, i);
+    }
+    else {
+        h = PyTuple_GET_ITEM(hashes, i);
+    }
+    return PyLong_CheckExact(h) ? Py_NewRef(h) : NULL;
+}
+
+/* map.get(hashes[i]) as a new reference: 1 with *entry set (NULL where absent); 0 where the hash
+ * or the entry is not what this was written for (the caller declines); -1 with an exception set. */
+static int
+index_entry(PyObject *map, PyObject *hashes, Py_ssize_t i, PyObject **entry)
+{
+    PyObject *h = chain_hash(hashes, i);
+    if (h == NULL)
+        return 0;
+    PyObject *e = PyDict_GetItemWithError(map, h);
+    Py_DECREF(h);
+    if (e == NULL)
+        return PyErr_Occurred() ? -1 : (*entry = NULL, 1);
+    if (!PyDict_CheckExact(e))
+        return 0;
+    *entry = Py_NewRef(e);
+    return 1;
+}
+
+/* One (holder, expiry) of an entry: its worker id (borrowed: the holder is held by the entry,
+ * which the caller holds, and nothing below runs Python code) and expiry; 0 where the holder is
+ * not a plain _Holder with a str id or the expiry not an exact float. */
+static int
+read_holder(PyObject *holder, PyObject *exp, PyObject **wid, double *e)
+{
+    if (!Py_IS_TYPE(holder, holder_type) || !PyFloat_CheckExact(exp))
+        return 0;
+    *wid = SLOT(holder, holder_worker_id_off);
+    if (*wid == NULL || !PyUnicode_CheckExact(*wid))
+        return 0;
+    *e = PyFloat_AS_DOUBLE(exp);
+    return 1;
+}
+
+/* PrefixIndex._live_in(entry, now): 1 / 0; -1 (decline) where a holder or expiry is not plain. An
+ * exact str's lookup in an exact dict runs no Python code, so the iteration is not disturbed. */
+static int
+live_in(PyObject *entry, PyObject *live, double now)
+{
+    Py_ssize_t pos = 0;
+    PyObject *holder, *exp, *wid;
+    double e;
+    while (PyDict_Next(entry, &pos, &holder, &exp)) {
+        if (!read_holder(holder, exp, &wid, &e))
+            return -1;
+        if (!(e > now))
+            continue;
+        /* held: a non-str key of ``live`` with the same hash would run its __eq__ */
+        Py_INCREF(holder);
+        Py_INCREF(wid);
+        int found = PyDict_GetItem(live, wid) == holder;
+        Py_DECREF(wid);
+        Py_DECREF(holder);
+        if (found)
+            return 1;
+    }
+    return 0;
+}
+
+/* match_many(map, live, hashes, now, limit, holder_type)
+ *
+ * PrefixIndex._match_many (see _match_many_python in index.py, the same steps in the same order):
+ * the deepest chunk some live worker holds by binary search, the walk that verifies the prefix up
+ * to it (and makes it most recently used), then the first ``limit`` workers met walking back from
+ * it with their deepest chunk. NotImplemented where a value is not what this was written for (then
+ * the Python method runs from the start; the most-recently-used moves already made are made again
+ * in the same order, which leaves the index exactly as the Python method alone would).
+ */
+static PyObject *
+hot_match_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "match_many() takes 6 arguments");
+        return NULL;
+    }
+    PyObject *map = args[0], *live = args[1], *hashes = args[2], *type = args[5];
+    if (!PyODict_CheckExact(map) || !PyDict_CheckExact(live) || !PyFloat_CheckExact(args[3])
+            || !PyLong_CheckExact(args[4]) || !(PyList_CheckExact(hashes) || PyTuple_CheckExact(hashes))
+            || !PyType_Check(type))
+        Py_RETURN_NOTIMPLEMENTED;
+    int overflow = 0;
+    long long limit = PyLong_AsLongLongAndOverflow(args[4], &overflow);
+    if (overflow || (limit == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        Py_RETURN_NOTIMPLEMENTED;
+    }
+    if ((PyTypeObject *)type != holder_type) {
+        Py_ssize_t off;
+        if (read_layout((PyTypeObject *)type, HOLDER_FIELDS, 1, &off) < 0) {
+            PyErr_Clear();
+            Py_RETURN_NOTIMPLEMENTED;
+        }
+        Py_XSETREF(holder_type, (PyTypeObject *)Py_NewRef(type));
+        holder_worker_id_off = off;
+    }
+    double now = PyFloat_AS_DOUBLE(args[3]);
+    /* Held: a map key's __eq__ (a key that is not an int) could drop the caller's references. */
+    Py_INCREF(map);
+    Py_INCREF(live);
+    Py_INCREF(hashes);
+    PyObject *result = NULL, *touch = NULL, *entry = NULL, *out;
+    int status = 0;
+    Py_ssize_t lo = 0, hi = PyList_CheckExact(hashes) ? PyList_GET_SIZE(hashes) : PyTuple_GET_SIZE(hashes);
+    while (lo < hi) {  /* hashes[:lo] have a live holder; the largest such lo */
+        Py_ssize_t mid = lo + (hi - lo + 1) / 2;
+        if ((status = index_entry(map, hashes, mid - 1, &entry)) <= 0)
+            goto decline_or_fail;
+        int held = 0;
+        if (entry != NULL && PyDict_GET_SIZE(entry) > 0)
+            held = live_in(entry, live, now);
+        Py_CLEAR(entry);
+        if (held < 0)
+            goto decline;
+        if (held)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    touch = PyObject_GetAttr(map, str_move_to_end);
+    if (touch == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < lo; i++) {  /* the verifying walk, making the prefix most recently used */
+        if ((status = index_entry(map, hashes, i, &entry)) <= 0)
+            goto decline_or_fail;
+        int held = 0;
+        if (entry != NULL && PyDict_GET_SIZE(entry) > 0)
+            held = live_in(entry, live, now);
+        Py_CLEAR(entry);
+        if (held < 0)
+            goto decline;
+        if (!held) {
+            lo = i;
+            break;
+        }
+        PyObject *h = chain_hash(hashes, i);
+        if (h == NULL)
+            goto decline;
+        PyObject *moved = PyObject_CallOneArg(touch, h);
+        Py_DECREF(h);
+        if (moved == NULL)
+            goto fail;
+        Py_DECREF(moved);
+    }
+    result = PyDict_New();
+    if (result == NULL)
+        goto fail;
+    if (lo == 0) {
+        out = PyTuple_Pack(2, result, Py_True);
+        goto done;
+    }
+    for (Py_ssize_t level = lo; level > 0 && PyDict_GET_SIZE(result) < limit; level--) {
+        if ((status = index_entry(map, hashes, level - 1, &entry)) <= 0)
+            goto decline_or_fail;
+        if (entry == NULL)
+            continue;
+        Py_ssize_t pos = 0;
+        PyObject *holder, *exp, *wid;
+        double e;
+        while (PyDict_Next(entry, &pos, &holder, &exp)) {
+            if (!read_holder(holder, exp, &wid, &e))
+                goto decline;
+            /* worker_id not in result and exp > now and live.get(worker_id) is holder */
+            Py_INCREF(holder);
+            Py_INCREF(wid);
+            int seen = PyDict_Contains(result, wid), set = 0;
+            if (seen == 0 && e > now && PyDict_GetItem(live, wid) == holder) {
+                PyObject *depth = PyLong_FromSsize_t(level);
+                set = depth == NULL ? -1 : PyDict_SetItem(result, wid, depth);
+                Py_XDECREF(depth);
+            }
+            Py_DECREF(wid);
+            Py_DECREF(holder);
+            if (seen < 0 || set < 0)
+                goto fail;
+            if (PyDict_GET_SIZE(result) >= limit)
+                break;
+        }
+        Py_CLEAR(entry);
+    }
+    out = PyTuple_Pack(2, result, Py_False);
+    goto done;
+decline_or_fail:
+    if (status < 0)
+        goto fail;
+decline:
+    out = Py_NewRef(Py_NotImplemented);
+    goto done;
+fail:
+    out = NULL;
+done:
+    Py_XDECREF(entry);
+    Py_XDECREF(result);
+    Py_XDECREF(touch);
+    Py_DECREF(map);
+    Py_DECREF(live);
+    Py_DECREF(hashes);
+    return out;
+}
+
 /* ------------------------------------------------------------------ the LoadBoard's cached figures */
 
 static PyObject *py_refresh = NULL;  /* router.routing.load's Python _refresh (bind_refresh) */
@@ -1223,6 +1448,8 @@ static PyMethodDef hot_methods[] = {
      " chunk_tokens, cap, now) -> list | NotImplemented"},
     {"least_loaded", (PyCFunction)(void (*)(void))hot_least_loaded, METH_FASTCALL,
      "least_loaded(heap, workers, k, skip) -> list | NotImplemented"},
+    {"match_many", (PyCFunction)(void (*)(void))hot_match_many, METH_FASTCALL,
+     "match_many(map, live, hashes, now, limit, holder_type) -> (matches, complete) | NotImplemented"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1245,7 +1472,8 @@ PyInit__hotloop(void)
     str_now = PyUnicode_InternFromString("_now");
     str_map = PyUnicode_InternFromString("_map");
     str_live = PyUnicode_InternFromString("_live");
-    if (zero_int == NULL || zero_float == NULL || str_get == NULL || str_index == NULL || str_hashes == NULL
+    str_move_to_end = PyUnicode_InternFromString("move_to_end");
+    if (str_move_to_end == NULL || zero_int == NULL || zero_float == NULL || str_get == NULL || str_index == NULL || str_hashes == NULL
             || str_now == NULL || str_map == NULL || str_live == NULL
             || PyModule_AddIntConstant(m, "LAYOUT_VERSION", LAYOUT_VERSION) < 0) {
         Py_DECREF(m);

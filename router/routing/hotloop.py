@@ -2,7 +2,8 @@
 
 ``hot`` is the C module, bound to this checkout's :class:`~router.routing.policy.Candidate` and
 :class:`~router.routing.load.WorkerLoad` layouts (and the LoadBoard's refresh of a worker's cached
-rate, slot wait and limit flag, made its ``refresh``), or ``None``:
+rate, slot wait and limit flag, made its ``refresh``; and the PrefixIndex's match of a prefix more
+workers hold than a decision scores, ``match_many``), or ``None``:
 not built (no C compiler when the package was installed; ``setup.py`` makes the extension optional),
 built for another layout, or turned off with ``PREFIXLB_PURE_PYTHON=1``. With ``None`` the
 Balancer's candidate set and ``cache_aware`` run their Python loops; the decisions are the same
@@ -22,7 +23,7 @@ from router.routing import load as load_module
 from router.routing.load import WorkerLoad
 from router.routing.policy import NOT_ON_RING, Candidate
 
-LAYOUT_VERSION = 7  # the C module's LAYOUT_VERSION this code calls it with
+LAYOUT_VERSION = 8  # the C module's LAYOUT_VERSION this code calls it with
 PURE_PYTHON_ENV = "PREFIXLB_PURE_PYTHON"
 
 

@@ -30,6 +30,8 @@ from itertools import islice, repeat, takewhile
 from operator import lt
 from typing import Iterable, Iterator, Sequence
 
+from router.routing import hotloop
+
 
 class _Holder:
     """One incarnation of a worker in the index (replaced when the worker is cleared)."""
@@ -165,6 +167,16 @@ class PrefixIndex:
         return False
 
     def _match_many(self, hashes: Sequence[int], now: float, limit: int) -> tuple[dict[str, int], bool]:
+        # Compiled where built (router/routing/_hotloop.c): the same steps, in the same order.
+        # Every decision of a fleet whose holders share a system prompt comes here.
+        hot = hotloop.hot
+        if hot is not None:
+            found = hot.match_many(self._map, self._live, hashes, now, limit, _Holder)
+            if found is not NotImplemented:
+                return found
+        return self._match_many_python(hashes, now, limit)
+
+    def _match_many_python(self, hashes: Sequence[int], now: float, limit: int) -> tuple[dict[str, int], bool]:
         get = self._map.get
         lo, hi = 0, len(hashes)  # hashes[:lo] have a live holder; find the largest such lo
         while lo < hi:

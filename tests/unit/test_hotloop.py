@@ -595,3 +595,133 @@ def test_a_worker_with_no_sequence_slots_is_refreshed_as_python_does(in_system):
     assert outcomes[0][1] == "float division by zero"  # a request ahead (the new one): Python divides
 
 
+
+
+def _random_index(rng: random.Random):
+    """A PrefixIndex in a random state: chains of shared prefixes held by many workers, holes (removed,
+    evicted or expired hashes in the middle), cleared and forgotten workers; and prompts to match."""
+    from router.routing.index import PrefixIndex
+
+    index = PrefixIndex(max_entries=rng.choice([40, 200, 10_000]), optimistic_ttl_s=rng.choice([1.0, 30.0]),
+                        confirmed_ttl_s=rng.choice([5.0, 3600.0]))
+    workers = [f"w{i}" for i in range(rng.randint(2, 30))]
+    chains = [[rng.getrandbits(62) for _ in range(rng.randint(1, 40))] for _ in range(rng.randint(1, 4))]
+    now = 0.0
+    for _ in range(rng.randint(1, 80)):
+        now += rng.choice([0.0, 0.1, 2.0])
+        chain = rng.choice(chains)
+        worker = rng.choice(workers)
+        roll = rng.random()
+        if roll < 0.7:
+            index.insert(chain[:rng.randint(1, len(chain))], worker, now, confirmed=rng.random() < 0.5)
+        elif roll < 0.8:
+            index.remove(rng.sample(chain, rng.randint(1, min(3, len(chain)))), worker)
+        elif roll < 0.85:
+            index.clear_worker(worker)
+        elif roll < 0.88:
+            index.forget_worker(worker)
+        elif roll < 0.95:
+            index.demote(chain[:rng.randint(1, len(chain))], worker, now)
+        else:
+            index.sweep(now, budget=rng.randint(1, 50))
+    prompts = [chain[:rng.randint(1, len(chain))] + [rng.getrandbits(62) for _ in range(rng.randint(0, 2))]
+               for chain in chains]
+    return index, prompts, now
+
+
+@needs_c
+@pytest.mark.parametrize("seed", range(200))
+def test_the_index_matches_many_holders_as_python_does(seed):
+    """PrefixIndex._match_many (more holders of the first chunk than the limit): the same matches and
+    the same most-recently-used order of the index as its Python method, on a random index."""
+    import copy
+
+    rng = random.Random(seed)
+    index, prompts, now = _random_index(rng)
+    other = copy.deepcopy(index)
+    for _ in range(6):
+        hashes = rng.choice(prompts)
+        if rng.random() < 0.5:
+            hashes = tuple(hashes)
+        at = now + rng.choice([0.0, 0.5, 1.5, 4.0, 40.0])
+        limit = rng.choice([0, 1, 2, 3, 8])
+        compiled = index._match_many(hashes, at, limit)
+        python = other._match_many_python(hashes, at, limit)
+        assert compiled == python
+        assert list(index._map) == list(other._map)  # the same hashes made most recently used
+        assert [(h, dict((k.worker_id, v) for k, v in e.items())) for h, e in index._map.items()] == \
+               [(h, dict((k.worker_id, v) for k, v in e.items())) for h, e in other._map.items()]
+
+
+@needs_c
+def test_the_index_match_declines_what_it_was_not_written_for():
+    """An int ``now`` or expiry, a hash that is not an int: NotImplemented, and the Python method's
+    answer (it starts again: the most-recently-used moves made before declining are made again in
+    the same order, so the index ends as Python alone leaves it)."""
+    from router.routing.index import PrefixIndex, _Holder
+
+    def build():
+        index = PrefixIndex()
+        for w in ("a", "b", "c"):
+            index.insert([1, 2, 3, 4], w, 0.0, confirmed=True)
+        index.insert([9], "a", 0.0, confirmed=True)
+        return index
+
+    index = build()
+    assert C_LOOPS.match_many(index._map, index._live, [1, 2, 3], 1, 2, _Holder) is NotImplemented  # int now
+    assert C_LOOPS.match_many(index._map, index._live, [1, "2", 3], 1.0, 2, _Holder) is NotImplemented
+    assert C_LOOPS.match_many(index._map, index._live, [1, 2, 3], 1.0, 2, object) is NotImplemented
+    # an int expiry of the last holder of hash 3, met only when the matches are collected (after
+    # the walk made hashes 1..3 most recently used; the walk stops at each entry's first live holder)
+    index._map[3][index._live["c"]] = 3600
+    python = build()
+    python._map[3][python._live["c"]] = 3600
+    assert C_LOOPS.match_many(index._map, index._live, [1, 2, 3], 1.0, 3, _Holder) is NotImplemented
+    assert list(index._map) == [4, 9, 1, 2, 3]
+    assert index._match_many([1, 2, 3], 1.0, 3) == python._match_many_python([1, 2, 3], 1.0, 3) \
+        == ({"a": 3, "b": 3, "c": 3}, False)
+    assert list(index._map) == list(python._map) == [4, 9, 1, 2, 3]
+
+
+@needs_c
+def test_the_index_match_holds_what_it_reads_and_leaks_nothing():
+    """A map key whose __eq__ drops the index's entries mid-walk (its hash equals a prompt hash):
+    no crash under the debug allocators, Python's answer, and no references kept."""
+    out = run_isolated("""
+        import sys
+        from router.routing import hotloop
+        from router.routing.index import PrefixIndex, _Holder
+
+        class Evil:
+            def __init__(self, index):
+                self.index = index
+            def __hash__(self):
+                return 2
+            def __eq__(self, other):
+                self.index._map.clear()
+                self.index._live.clear()
+                return False
+
+        answers = set()
+        for _ in range(50):
+            for run in ("c", "python"):
+                index = PrefixIndex()
+                for w in ("a", "b", "c"):
+                    index.insert([1, 2, 3], w, 0.0, confirmed=True)
+                index._map[Evil(index)] = {}
+                if run == "c":
+                    answers.add(repr(hotloop.hot.match_many(index._map, index._live, [1, 2, 3], 1.0, 2, _Holder)))
+                else:
+                    answers.add(repr(index._match_many_python([1, 2, 3], 1.0, 2)))
+        print(answers)
+        index = PrefixIndex()
+        for w in ("a", "b", "c"):
+            index.insert([1, 2, 3], w, 0.0, confirmed=True)
+        hashes = [1, 2, 3]
+        before = sys.getrefcount(hashes), sys.getrefcount(index._map), sys.getrefcount(index._live)
+        for _ in range(1000):
+            found = hotloop.hot.match_many(index._map, index._live, hashes, 1.0, 2, _Holder)
+        del found
+        print((sys.getrefcount(hashes), sys.getrefcount(index._map), sys.getrefcount(index._live)) == before)
+    """)
+    assert out.split() == ["{'({},", "True)'}", "True"]
