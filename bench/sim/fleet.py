@@ -187,7 +187,7 @@ def _simulate(workload: Workload, cfg: FleetConfig, progress: Callable[[int], No
         for wi, w in enumerate(workers):
             rate = w.speed.prefill_tokens_per_s if measured else prefill_rate
             if polling:
-                latest[wi] = router.make_report(w, at, rate, w.speed.decode_step_s)
+                latest[wi] = router.refilled_report(w, at, rate, w.speed.decode_step_s)  # read, then dropped
             else:
                 router.report(w, at, rate, w.speed.decode_step_s)
         if polling:

@@ -14,6 +14,7 @@ from bench.sim.decode_run import decode_run_cut, decode_run_time, decode_steps_d
 from bench.sim.lazy_pool import LazyBlockPool
 from bench.sim.prompt_hashes import UnitHasher
 from bench.sim.fleet import FleetConfig, simulate
+from bench.sim.router import SimRouter, SimRouterConfig
 from bench.sim.worker import SimRequest, SimWorker
 from bench.workloads import load_workload, unit_hashes
 from worker.engine.kv_cache import BlockPool
@@ -247,3 +248,26 @@ def test_a_run_cut_after_its_step_in_progress_keeps_the_steps_begun_and_their_ex
             assert decode_run_cut(elapsed, oh, c0, c1, m0, m1, k) == expected
             cuts += expected is not None
     assert cuts > 1000
+
+
+@pytest.mark.parametrize("workload, fleet", [
+    ("multi-lora", dict(workers=4, unit=64, cpu_kv_ratio=1.0, kv_blocks=3000, speedup=4.0)),  # adapters, a tier
+    ("system-prompt", dict(workers=3, unit=64, router=SimRouterConfig(report_poll_s=0.0))),  # reports read at once
+])
+def test_a_refilled_load_report_equals_one_made_new(workload, fleet, monkeypatch):
+    """The heartbeat writes each worker's report into its last one: every report the router reads
+    equals the report made new from the same worker at the same moment, field for field."""
+    refilled = SimRouter.refilled_report
+    compared: list[str] = []
+
+    def checked(self, worker, now, rate, step):
+        report = refilled(self, worker, now, rate, step)
+        assert report == SimRouter.make_report(worker, now, rate, step)
+        compared.append(worker.worker_id)
+        return report
+    monkeypatch.setattr(SimRouter, "refilled_report", checked)
+
+    result = simulate(load_workload(workload, seed=3, num_requests=300), FleetConfig(**fleet))
+
+    assert all(r.ok for r in result.records)
+    assert len(compared) > 4 * len(set(compared))  # most of them refilled, not first reports
