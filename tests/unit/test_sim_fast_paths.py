@@ -154,12 +154,26 @@ def test_a_decode_run_far_from_the_estimate_is_folded_step_by_step_with_the_mete
     assert folded.decode_step_s == pytest.approx(0.16272, rel=1e-12)
 
 
-def _drive_pool(pool, ops: list[tuple[float, float, int, int]]) -> list[tuple]:
-    """Random allocate / free / cache / hit operations; what the pool exposes after each."""
+def _drive_pool(pool, ops: list[tuple[float, float, int, int]], resets: bool = False) -> list[tuple]:
+    """Random allocate / free / cache / hit operations (and, with ``resets``, prefix-cache resets
+    and a freed block freed again); what the pool exposes after each, and every eviction with the
+    free count the pool showed then."""
     held: list[list] = []
     log: list[tuple] = []
+    pool.on_evict = lambda block: log.append(("evict", block.block_id, block.block_hash, pool.get_num_free_blocks()))
     for op, x, m, key in ops:
-        if op < 0.4 and m <= pool.get_num_free_blocks():
+        if resets and op > 0.97:
+            if op > 0.99 and held:
+                blocks = held.pop(int(x * len(held)))
+                pool.free_blocks(reversed(blocks))
+                for block in [b for b in blocks if b.ref_cnt == 0][:1]:
+                    with pytest.raises(RuntimeError) as freed_again:
+                        pool.free_blocks([block])
+                    log.append(("freed again", str(freed_again.value)))
+                    block.ref_cnt = 0  # undone, to go on
+            else:
+                log.append(("reset", pool.reset_prefix_cache()))
+        elif op < 0.4 and m <= pool.get_num_free_blocks():
             blocks = pool.get_new_blocks(m)
             held.append(blocks)
             log.append(("get", [b.block_id for b in blocks]))
@@ -186,6 +200,19 @@ def test_the_lazy_block_pool_hands_out_the_same_blocks_in_the_same_order_as_the_
     assert _drive_pool(lazy, ops) == _drive_pool(BlockPool(n), ops)
     lazy.check_invariants()
     assert [b.block_id for b in lazy.blocks] == list(range(n))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_lazy_block_pool_evicts_resets_and_fails_as_the_engines_does(seed):
+    """The same, with each eviction's callback, resets of the prefix cache (after which the lazy
+    pool's queue is the engine's own) and a block freed more often than it was taken."""
+    rng = random.Random(seed)
+    n = rng.randint(1, 12)
+    ops = [(rng.random(), rng.random(), rng.randint(1, 4), rng.randint(0, 8)) for _ in range(400)]
+    lazy = LazyBlockPool(n)
+    log = _drive_pool(lazy, ops, resets=True)
+    assert log == _drive_pool(BlockPool(n), ops, resets=True)
+    assert any(entry[0] == "evict" for entry in log)
 
 
 def test_a_lazy_block_pool_makes_only_the_blocks_it_hands_out():
