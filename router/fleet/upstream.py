@@ -398,19 +398,17 @@ class UpstreamResponse:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    async def _wait(self) -> None:
-        """Until more bytes, the end or a failure; ``aiohttp.ServerTimeoutError`` after ``read_timeout`` s."""
+    def _wait(self) -> asyncio.Future:
+        """A future done at more bytes, the end or a failure: its result is None, or the
+        ``aiohttp.ServerTimeoutError`` to raise after ``read_timeout`` s of silence. (A future,
+        awaited by the caller, not a coroutine around it: one coroutine less a wait. Once done
+        it stays ``_waiter`` until the next wait, which every reader of ``_waiter`` allows.)"""
         loop = self._loop
         waiter = self._waiter = loop.create_future()
         if self._read_timeout is not None:
             self._read_deadline = loop.time() + self._read_timeout
             self._conn.wait_timer(loop, self._read_deadline)
-        try:
-            await waiter
-        finally:
-            self._waiter = None
-        if waiter.result() is not None:
-            raise waiter.result()
+        return waiter
 
     def _read_due(self, due: float) -> None:
         """The connection's read timer, set for ``due``, fired: the wait in progress times out if
@@ -431,7 +429,9 @@ class UpstreamResponse:
                 raise self._exc
             if self._state == _DONE:
                 return b""
-            await self._wait()
+            timed_out = await self._wait()
+            if timed_out is not None:
+                raise timed_out
         return self._take_buffered()
 
     def body_nowait(self, limit: int) -> bytes | None:
@@ -610,7 +610,9 @@ class UpstreamPool:
                 while not response._head_done:  # (_start's loop, without its coroutine)
                     if response._exc is not None:
                         raise response._exc
-                    await response._wait()
+                    timed_out = await response._wait()
+                    if timed_out is not None:
+                        raise timed_out
                 return response
             except ClosedUnanswered:
                 response.close()
