@@ -103,14 +103,10 @@ async def read_limited_body(content_length: int | None, content: BodyStream, lim
     a body over its node budget or nesting limit is refused with a 400 as soon as the bytes
     received so far prove it, without reading (or holding) the rest. The body is collected in
     one buffer (no list of chunks joined into a second copy)."""
-    if content_length is not None and content_length > limit:
-        raise body_too_large(limit)
+    whole = body_nowait(content_length, content, limit, limits)
+    if whole is not None:
+        return whole
     books = BodyBytes.for_loop(limit)
-    is_eof = getattr(content, "is_eof", None)
-    if is_eof is not None and is_eof():
-        # All of it arrived already (a small body comes with the headers): the same checks,
-        # without a deadline, an iterator and a closure for every request.
-        return _whole_body(content.read_nowait(-1), limit, books, limits, content_length)  # type: ignore[attr-defined]
     check = StructureCheck(limits, content_length) if limits is not None else None
     buf = Body()
     # The first BUFFER_FROM bytes are kept as the chunks they arrived in (no copy: a hostile body
@@ -152,6 +148,21 @@ async def read_limited_body(content_length: int | None, content: BodyStream, lim
     finally:
         books.held -= held
     return buf
+
+
+def body_nowait(content_length: int | None, content: BodyStream, limit: int,
+                limits: "RequestLimits | None" = None) -> Body | None:
+    """:func:`read_limited_body` without waiting: the body, checked as it would check it, when
+    all of it has arrived already (a small body comes with the headers); None when some is still
+    to come (nothing read then). A body declared over ``limit`` is a 413 either way."""
+    if content_length is not None and content_length > limit:
+        raise body_too_large(limit)
+    is_eof = getattr(content, "is_eof", None)
+    if is_eof is None or not is_eof():
+        return None
+    # the same checks, without a deadline, an iterator and a closure for every request
+    return _whole_body(content.read_nowait(-1), limit, BodyBytes.for_loop(limit), limits,  # type: ignore[attr-defined]
+                       content_length)
 
 
 def _whole_body(data: bytes, limit: int, books: BodyBytes, limits: "RequestLimits | None",

@@ -15,7 +15,7 @@ from typing import Any
 from router.cost.ledger import UsageLedger
 from router.cost.metrics import ledger_families
 from router.cost.price_book import PriceBook
-from router.cost.pricing import PricedUsage, Usage, price_usage, usage_from_openai
+from router.cost.pricing import PricedUsage, Usage, openai_counts, price_usage
 
 
 class CostAccounting:
@@ -34,9 +34,10 @@ class CostAccounting:
         """Price and count one answer's OpenAI ``usage`` (nothing when there is none)."""
         if type(usage) is not dict and not isinstance(usage, Mapping):  # (a dict: no ABC check)
             return None
-        parsed = usage_from_openai(usage)
-        priced = self.price(model, parsed)
-        self.ledger.record(model, tenant, parsed, priced)
+        counts = openai_counts(usage)  # (a Usage built only when there is a price to apply)
+        price = self.price_book.get(model) if self.price_book is not None else None
+        priced = price_usage(Usage(*counts), price) if price is not None else None
+        self.ledger.record_counts(model, tenant, counts, priced)
         return priced
 
     def snapshot(self) -> dict[str, Any]:

@@ -36,11 +36,16 @@ class UsageTotals:
 
     def add(self, usage: Usage, priced: PricedUsage | None) -> None:
         """Count one response."""
+        self.add_counts(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens, usage.cache_write_tokens,
+                        priced)
+
+    def add_counts(self, prompt: int, completion: int, cached: int, written: int, priced: PricedUsage | None) -> None:
+        """Count one response of these token counts (a :class:`Usage`'s, unbuilt)."""
         self.requests += 1
-        self.prompt_tokens += usage.prompt_tokens
-        self.cached_tokens += usage.cached_tokens
-        self.cache_write_tokens += usage.cache_write_tokens
-        self.completion_tokens += usage.completion_tokens
+        self.prompt_tokens += prompt
+        self.cached_tokens += cached
+        self.cache_write_tokens += written
+        self.completion_tokens += completion
         if priced is None:
             self.unpriced_requests += 1
         else:
@@ -83,11 +88,18 @@ class UsageLedger:
 
     def record(self, model: str, tenant: str, usage: Usage, priced: PricedUsage | None) -> None:
         """Count one response of ``model`` billed to ``tenant`` (see :func:`tenant_of`)."""
-        self.total.add(usage, priced)
+        self.record_counts(model, tenant, (usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens,
+                                           usage.cache_write_tokens), priced)
+
+    def record_counts(self, model: str, tenant: str, counts: tuple[int, int, int, int],
+                      priced: PricedUsage | None) -> None:
+        """:meth:`record` of a usage's ``(prompt, completion, cached, written)`` counts
+        (``router.cost.pricing.openai_counts``), without a :class:`Usage` built for them."""
+        self.total.add_counts(*counts, priced)
         totals = self.models.get(model)  # get first: setdefault would build a UsageTotals every time
         if totals is None:
             totals = self.models[model] = UsageTotals()
-        totals.add(usage, priced)
+        totals.add_counts(*counts, priced)
         per_model = self.tenants.get(tenant)
         if per_model is None:
             if len(self.tenants) >= self.max_tenants:
@@ -97,7 +109,7 @@ class UsageLedger:
         totals = per_model.get(model)
         if totals is None:
             totals = per_model[model] = UsageTotals()
-        totals.add(usage, priced)
+        totals.add_counts(*counts, priced)
 
     def tenant_total(self, tenant: str) -> UsageTotals:
         """One tenant's totals over all its models."""

@@ -89,16 +89,28 @@ def usage_from_openai(usage: Mapping[str, Any] | None) -> Usage:
     Anthropic-style ``cache_creation_input_tokens`` / ``cache_read_input_tokens`` are read too
     when present (there ``input_tokens`` excludes both). Missing or malformed counts are 0.
     """
+    return Usage(*openai_counts(usage))
+
+
+def openai_counts(usage: Mapping[str, Any] | None) -> tuple[int, int, int, int]:
+    """:func:`usage_from_openai`'s counts, ``(prompt, completion, cached, written)``, without
+    building the :class:`Usage` (they are always a valid one: cached and written tokens within
+    the prompt)."""
     if type(usage) is not dict and not isinstance(usage, Mapping):  # (a dict: no ABC check)
-        return Usage()
+        return 0, 0, 0, 0
     details = usage.get("prompt_tokens_details")
-    cached = _count(details.get("cached_tokens")) if type(details) is dict or isinstance(details, Mapping) else 0
+    cached = details.get("cached_tokens") if type(details) is dict or isinstance(details, Mapping) else 0
+    if type(cached) is not int or cached < 0:
+        cached = _count(cached)
     if "cache_read_input_tokens" in usage or "cache_creation_input_tokens" in usage:
         read, written = _count(usage.get("cache_read_input_tokens")), _count(usage.get("cache_creation_input_tokens"))
         prompt = _count(usage.get("input_tokens")) + read + written
-        return Usage(prompt, _count(usage.get("output_tokens")), read, written)
-    prompt = _count(usage.get("prompt_tokens"))
-    return Usage(prompt, _count(usage.get("completion_tokens")), min(cached, prompt))
+        return prompt, _count(usage.get("output_tokens")), read, written
+    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    # (plain ints, the usual case, pass without a call of _count each; as cached_tokens above)
+    if not (type(prompt) is int and type(completion) is int and prompt >= 0 and completion >= 0):
+        prompt, completion = _count(prompt), _count(completion)
+    return prompt, completion, min(cached, prompt), 0
 
 
 def assume_full_prompt_writes(usage: Usage, price: HostedPrice, ttl: str = "5m") -> Usage:

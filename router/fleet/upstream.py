@@ -180,6 +180,9 @@ class UpstreamResponse:
     def _feed(self, data: bytes) -> None:
         self._received = True
         state = self._state
+        if state == _HEAD and not self._buf:
+            self._feed_head(data)
+            return
         if state == _DONE:
             self._keep_alive = False  # more than one answer: never reuse this connection
             return
@@ -193,6 +196,40 @@ class UpstreamResponse:
                     self._state = _DONE if state == _LENGTH else _CHUNK_CRLF
         else:
             self._buf += data
+            try:
+                self._parse()
+            except UpstreamProtocolError as exc:
+                self._fail(exc)
+                self._conn.close()
+        self._wake()
+
+    def _feed_head(self, data: bytes) -> None:
+        """The answer's first bytes: its head and, when they came with it (the usual case of a
+        small answer), its whole body, taken from ``data`` itself (no copy through the parse
+        buffer); anything less usual goes through :meth:`_parse`."""
+        end = data.find(b"\r\n\r\n")
+        if end < 0:
+            self._buf += data
+        else:
+            try:
+                self._head(data[:end])
+            except UpstreamProtocolError as exc:
+                self._fail(exc)
+                self._conn.close()
+                self._wake()
+                return
+            state = self._state
+            rest = len(data) - end - 4
+            if rest == 0:
+                pass
+            elif state == _LENGTH and rest <= self._remaining:
+                self._push(data[end + 4:])
+                self._remaining -= rest
+                if self._remaining == 0:
+                    self._state = _DONE
+            else:
+                self._buf += memoryview(data)[end + 4:]
+        if self._buf:
             try:
                 self._parse()
             except UpstreamProtocolError as exc:
@@ -361,19 +398,17 @@ class UpstreamResponse:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    async def _wait(self) -> None:
-        """Until more bytes, the end or a failure; ``aiohttp.ServerTimeoutError`` after ``read_timeout`` s."""
+    def _wait(self) -> asyncio.Future:
+        """A future done at more bytes, the end or a failure: its result is None, or the
+        ``aiohttp.ServerTimeoutError`` to raise after ``read_timeout`` s of silence. (A future,
+        awaited by the caller, not a coroutine around it: one coroutine less a wait. Once done
+        it stays ``_waiter`` until the next wait, which every reader of ``_waiter`` allows.)"""
         loop = self._loop
         waiter = self._waiter = loop.create_future()
         if self._read_timeout is not None:
             self._read_deadline = loop.time() + self._read_timeout
             self._conn.wait_timer(loop, self._read_deadline)
-        try:
-            await waiter
-        finally:
-            self._waiter = None
-        if waiter.result() is not None:
-            raise waiter.result()
+        return waiter
 
     def _read_due(self, due: float) -> None:
         """The connection's read timer, set for ``due``, fired: the wait in progress times out if
@@ -394,7 +429,9 @@ class UpstreamResponse:
                 raise self._exc
             if self._state == _DONE:
                 return b""
-            await self._wait()
+            timed_out = await self._wait()
+            if timed_out is not None:
+                raise timed_out
         return self._take_buffered()
 
     def body_nowait(self, limit: int) -> bytes | None:
@@ -554,40 +591,44 @@ class UpstreamPool:
                          header_lines(headers).encode("utf-8"),  # as aiohttp encodes them
                          b"Content-Length: %d\r\n\r\n" % len(body)))
         conn = self._idle_connection(key)
-        if conn is not None:
+        reused = conn is not None
+        if conn is None:
+            conn = await self._connect(key)
+        # (the exchange inline, not in a coroutine of its own: one coroutine less a request)
+        while True:
+            response = UpstreamResponse(conn, self, key, self.read_timeout)
+            conn.response = response
             sent_at = time.monotonic()
             try:
-                return await self._exchange(conn, key, head, body)
+                transport = conn.transport
+                assert transport is not None
+                if len(body) <= 64 * 1024:
+                    transport.write(head + body)
+                else:  # no copy of a large body
+                    transport.write(head)
+                    transport.write(body)
+                while not response._head_done:  # (_start's loop, without its coroutine)
+                    if response._exc is not None:
+                        raise response._exc
+                    timed_out = await response._wait()
+                    if timed_out is not None:
+                        raise timed_out
+                return response
             except ClosedUnanswered:
+                response.close()
                 # Closed by the worker as it was reused, at once and before a byte of an answer:
                 # the worker ended an idle keep-alive connection (uvicorn's last 5 s) while this
                 # request was on its way, and never read it. Sent again, once, on a new
                 # connection. A close that comes later may follow a worker that read the
                 # request and worked on it: that is a failure, not sent again here.
-                if time.monotonic() - sent_at > REUSE_RACE_S:
+                if not reused or time.monotonic() - sent_at > REUSE_RACE_S:
                     raise
                 self.stale_retries += 1
-        return await self._exchange(await self._connect(key), key, head, body)
-
-    async def _exchange(self, conn: _Connection, key: tuple, head: bytes, body: bytes) -> UpstreamResponse:
-        response = UpstreamResponse(conn, self, key, self.read_timeout)
-        conn.response = response
-        try:
-            transport = conn.transport
-            assert transport is not None
-            if len(body) <= 64 * 1024:
-                transport.write(head + body)
-            else:  # no copy of a large body
-                transport.write(head)
-                transport.write(body)
-            while not response._head_done:  # (_start's loop, without its coroutine)
-                if response._exc is not None:
-                    raise response._exc
-                await response._wait()
-        except BaseException:
-            response.close()
-            raise
-        return response
+            except BaseException:
+                response.close()
+                raise
+            reused = False
+            conn = await self._connect(key)
 
     def _idle_connection(self, key: tuple) -> _Connection | None:
         """A pooled connection to ``key`` that is neither closed nor idle too long, or None."""

@@ -25,8 +25,9 @@ from aiohttp import web
 from protocol import RenderError
 from protocol.api_keys import api_key_middleware, bearer_token
 from protocol.http_errors import error_middleware
-from protocol.openai_api import OpenAIError, RequestLimits, bad_request, model_not_found, parse_request
-from protocol.openai_body import OFF_LOOP_BYTES, decode_off_loop, read_limited_body
+from protocol.openai_api import (ChatCompletionRequest, CompletionRequest, OpenAIError, RequestLimits, bad_request,
+                                 model_not_found, parse_request)
+from protocol.openai_body import OFF_LOOP_BYTES, body_nowait, decode_off_loop, read_limited_body
 from protocol.log_format import log_info
 from protocol.version import version
 from router.context import RouterContext
@@ -99,15 +100,35 @@ def with_include_usage(raw: bytes, body: dict) -> bytes:
     return json.dumps(patched, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 
 
-async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
+def _inference(request: web.Request, chat: bool) -> Awaitable[web.StreamResponse]:
+    """Read, validate and route one inference request. (A plain function returning the
+    coroutine that routes it: a body already in whole, the usual case, is read and parsed here,
+    without a coroutine of its own; a 4xx found doing so is raised from the call.)"""
     ctx = request.app[CONTEXT]
     cfg = ctx.config
     limits = _limits(cfg.max_body_bytes)
-    # (read_body's and decode_off_loop's work, without their coroutines for a body that is small)
-    raw = await read_limited_body(request.content_length, request.content, cfg.max_body_bytes, cfg.body_timeout,
-                                  limits)
+    raw = body_nowait(request.content_length, request.content, cfg.max_body_bytes, limits)
+    if raw is None or len(raw) > OFF_LOOP_BYTES:
+        return _read_then_route(request, ctx, chat, limits, raw)
+    return _route_parsed(request, ctx, chat, raw, parse_request(raw, chat, limits))
+
+
+async def _read_then_route(request: web.Request, ctx: RouterContext, chat: bool, limits: RequestLimits,
+                           raw: bytes | None) -> web.StreamResponse:
+    """:func:`_inference` of a body still arriving (read within the limits first), or of one
+    large enough to be parsed off the event loop."""
+    cfg = ctx.config
+    if raw is None:
+        raw = await read_limited_body(request.content_length, request.content, cfg.max_body_bytes,
+                                      cfg.body_timeout, limits)
     parsed = (parse_request(raw, chat, limits) if len(raw) <= OFF_LOOP_BYTES
               else await decode_off_loop(raw, parse_request, chat, limits))
+    return await _route_parsed(request, ctx, chat, raw, parsed)
+
+
+def _route_parsed(request: web.Request, ctx: RouterContext, chat: bool, raw: bytes,
+                  parsed: CompletionRequest | ChatCompletionRequest) -> Awaitable[web.StreamResponse]:
+    """A validated request to a virtual model's handler or, the usual case, to :func:`_route`."""
     # The client's request id, or one made here: returned, passed to the worker, in the access log.
     # (32 random hex digits, as uuid4().hex but without building a UUID)
     request_id = forwardable(HEADER_REQUEST_ID, request.headers.get(HEADER_REQUEST_ID) or os.urandom(16).hex())
@@ -119,12 +140,12 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
             return await forward(request, data, body, is_chat, stream=stream, include_usage=include_usage,
                                  request_id=request_id, response_headers=response_headers)
 
-        return await serve_virtual(request, ctx, virtual, parsed, chat, request_id, forward_to)
+        return serve_virtual(request, ctx, virtual, parsed, chat, request_id, forward_to)
     served = ctx.registry.models()
     if served and parsed.model not in served:
         raise model_not_found(parsed.model, [*served, *ctx.virtual_models])
-    return await forward(request, raw, parsed.body, chat, stream=parsed.stream, include_usage=parsed.include_usage,
-                         request_id=request_id, served=served)
+    return _route(ctx, request, raw, parsed.body, chat, parsed.stream, parsed.include_usage, request_id, None,
+                  served)
 
 
 @functools.lru_cache(maxsize=8)
@@ -133,18 +154,24 @@ def _limits(max_body_bytes: int) -> RequestLimits:
     return RequestLimits(max_body_bytes=max_body_bytes)
 
 
-async def forward(request: web.Request, raw: bytes, body: dict, chat: bool, *, stream: bool, include_usage: bool,
-                  request_id: str, response_headers: Mapping[str, str] | None = None,
-                  served: Sequence[str] | None = None) -> web.StreamResponse:
+def forward(request: web.Request, raw: bytes, body: dict, chat: bool, *, stream: bool, include_usage: bool,
+            request_id: str, response_headers: Mapping[str, str] | None = None,
+            served: Sequence[str] | None = None) -> Awaitable[web.StreamResponse]:
     """Route one validated request (``raw`` is ``body`` as the worker gets it) to a worker of its
     model through the cache-aware proxy, answer with its response, log it and record its usage
-    (``served``: the models the workers serve, when the caller has them already)."""
+    (``served``: the models the workers serve, when the caller has them already). Awaited."""
     ctx = request.app[CONTEXT]
+    return _route(ctx, request, raw, body, chat, stream, include_usage, request_id, response_headers,
+                  ctx.registry.models() if served is None else served)
+
+
+async def _route(ctx: RouterContext, request: web.Request, raw: bytes, body: dict, chat: bool, stream: bool,
+                 include_usage: bool, request_id: str, response_headers: Mapping[str, str] | None,
+                 served: Sequence[str]) -> web.StreamResponse:
+    """:func:`forward`'s work."""
     cfg = ctx.config
     path = "/v1/chat/completions" if chat else "/v1/completions"
     model = body.get("model") if isinstance(body.get("model"), str) else ""
-    if served is None:
-        served = ctx.registry.models()
     session = session_key_of(request.headers, body, cfg.session_headers, cfg.session_fields)
     try:
         prompt = prompt_key(body, chat, cfg.chunk_size, cfg.ring_key_chunks, session)

@@ -78,7 +78,7 @@ class FastRequest(dict):
 
     def __init__(self, app: web.Application, path: str, headers: CIMultiDictProxy, body: bytes,
                  keep_alive: bool, protocol: "FrontProtocol") -> None:
-        super().__init__()
+        # (no dict.__init__: the mapping starts empty without it)
         self.app = self.config_dict = app
         self.path = path
         self.method = "POST"
@@ -434,7 +434,35 @@ class FrontProtocol(asyncio.Protocol):
         """Serve ``request``, then the connection's next ones while they come in separately."""
         runner = self._runner
         try:
-            while await self._serve(request, handler):
+            while True:
+                # (each answer here, not in a coroutine of its own)
+                keep_alive = request.keep_alive
+                try:
+                    response = await handler(request)
+                    if isinstance(response, FastStream):
+                        keep_alive = bool(response.keep_alive) and response._eof
+                    elif len(request.app.on_response_prepare):
+                        keep_alive = await self._answer(request, response)
+                    else:  # (_answer without its coroutine: no prepare hook to await)
+                        keep_alive = self._prepare_whole(request, response)
+                        if keep_alive is None:  # not to be written (a second answer)
+                            keep_alive = False
+                        else:
+                            self._write_whole(response)
+                            if self.paused:  # the client reads slower than it asks: answer the next once this is out
+                                await self.drain()
+                except asyncio.CancelledError:
+                    self.task = None
+                    if not self.lost:
+                        self.close()
+                    raise
+                except ConnectionError:
+                    keep_alive = False
+                except Exception:  # noqa: BLE001 - the error middleware answers everything a handler raises
+                    self._answer_crash(request)
+                    keep_alive = False
+                if not self._answered(keep_alive):
+                    return
                 if self.buffer:  # pipelined (or a head in part): a task of its own, as before
                     self._runner = None
                     self._next()
@@ -445,33 +473,20 @@ class FrontProtocol(asyncio.Protocol):
             if self._runner is runner:
                 self._runner = self._waiter = None
 
-    async def _serve(self, request: FastRequest, handler: Handler) -> bool:
-        """Answer ``request``; whether the connection is idle and open for the next one."""
-        keep_alive = request.keep_alive
-        try:
-            response = await handler(request)
-            if isinstance(response, FastStream):
-                keep_alive = bool(response.keep_alive) and response._eof
-            else:
-                keep_alive = await self._answer(request, response)
-        except asyncio.CancelledError:
-            self.task = None
-            if not self.lost:
-                self.close()
-            raise
-        except ConnectionError:
-            keep_alive = False
-        except Exception:  # noqa: BLE001 - the error middleware answers everything a handler raises
-            log.exception("event=front_answer_failed path=%s", request.path)
-            keep_alive = False
-            if not self.head_sent:
-                body = json.dumps(error_body("Internal server error", SERVER_ERROR)).encode()
-                try:
-                    self.write(_head(500, "Internal Server Error", {
-                        "Content-Type": "application/json; charset=utf-8", "Content-Length": str(len(body)),
-                        "Connection": "close"}) + body)
-                except ConnectionError:
-                    pass
+    def _answer_crash(self, request: FastRequest) -> None:
+        """A handler failed past the error middleware: a 500 when no answer has begun."""
+        log.exception("event=front_answer_failed path=%s", request.path)
+        if not self.head_sent:
+            body = json.dumps(error_body("Internal server error", SERVER_ERROR)).encode()
+            try:
+                self.write(_head(500, "Internal Server Error", {
+                    "Content-Type": "application/json; charset=utf-8", "Content-Length": str(len(body)),
+                    "Connection": "close"}) + body)
+            except ConnectionError:
+                pass
+
+    def _answered(self, keep_alive: bool) -> bool:
+        """The current request is answered: whether the connection is idle and open for the next one."""
         self.task = None
         if self.lost:
             return False
@@ -486,11 +501,25 @@ class FrontProtocol(asyncio.Protocol):
 
     async def _answer(self, request: FastRequest, response: web.StreamResponse) -> bool:
         """Write a whole (not streamed) response as aiohttp would; whether to keep the connection."""
+        keep_alive = self._prepare_whole(request, response)
+        if keep_alive is None:
+            return False
+        signal = request.app.on_response_prepare
+        if len(signal):
+            await signal.send(request, response)
+        self._write_whole(response)
+        if self.paused:  # the client reads slower than it asks: answer the next once this is out
+            await self.drain()
+        return keep_alive
+
+    def _prepare_whole(self, request: FastRequest, response: web.StreamResponse) -> bool | None:
+        """A whole response's headers, as aiohttp completes them (the prepare hook aside); whether
+        to keep the connection, or None when it must not be written at all."""
         if response.prepared or self.head_sent:
             # a second answer after a stream began (aiohttp: "Response is sent already"): the
             # stream is cut (the client sees it unterminated), never followed by another head
             log.warning("event=front_second_response path=%s status=%d", request.path, response.status)
-            return False
+            return None
         body = response.body if isinstance(response, WHOLE_RESPONSES) else None
         if body is not None and not isinstance(body, (bytes, bytearray)):
             raise TypeError(f"unsupported body type {type(body).__name__} on the fast path")
@@ -500,11 +529,10 @@ class FrontProtocol(asyncio.Protocol):
             headers.setdefault("Content-Type", "application/octet-stream")
         keep_alive = request.keep_alive if response.keep_alive is None else response.keep_alive
         _default_headers(headers, keep_alive)  # (_prepare_headers without its coroutine when no hook)
-        signal = request.app.on_response_prepare
-        if len(signal):
-            await signal.send(request, response)
-        head = _head(response.status, response.reason, headers)
-        self.write(head + body if body else head)
-        if self.paused:  # the client reads slower than it asks: answer the next once this is out
-            await self.drain()
         return keep_alive
+
+    def _write_whole(self, response: web.StreamResponse) -> None:
+        """Write a whole response whose headers :meth:`_prepare_whole` completed."""
+        body = response.body if isinstance(response, WHOLE_RESPONSES) else None
+        head = _head(response.status, response.reason, response.headers)
+        self.write(head + body if body else head)

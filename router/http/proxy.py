@@ -76,6 +76,18 @@ NOT_HEALTH = ("aborted", "draining", "unknown")
 DONE_EVENT = b"data: [DONE]\n\n"
 
 
+@dataclass(slots=True)
+class AccessRecord:
+    """What the access log says of a request: filled in by the proxy as the request goes."""
+
+    worker: str = "-"
+    reason: str = "-"
+    predicted_cached_tokens: int = 0
+    ttfb_s: float | None = None
+    attempts: int = 0
+    booking: Any = None  # the attempt that answered: its usage, once read
+
+
 @dataclass(kw_only=True, slots=True)
 class ProxyRequest:
     """A validated request, ready to route: ``body`` is what the worker gets (``headers`` too),
@@ -92,19 +104,7 @@ class ProxyRequest:
     exclude: frozenset[str] = frozenset()
     request_id: str = ""
     response_headers: Mapping[str, str] = field(default_factory=dict)  # added to the answer (a virtual model's)
-    access: "AccessRecord" = field(default_factory=lambda: AccessRecord())
-
-
-@dataclass(slots=True)
-class AccessRecord:
-    """What the access log says of a request: filled in by the proxy as the request goes."""
-
-    worker: str = "-"
-    reason: str = "-"
-    predicted_cached_tokens: int = 0
-    ttfb_s: float | None = None
-    attempts: int = 0
-    booking: Any = None  # the attempt that answered: its usage, once read
+    access: AccessRecord = field(default_factory=AccessRecord)
 
 
 class _Failed(Exception):
@@ -267,74 +267,69 @@ class Proxy:
             raise
         if woken:
             self.metrics.queue_wait.observe(loop.time() - arrived)
+        # The attempts, here rather than in a coroutine of their own (one a request less).
         try:
-            return await self._attempts(request, preq, arrived, deadline)
+            excluded = set(preq.exclude)
+            failure: _Failed | None = None
+            attempts = 0
+            queued = False
+            while True:
+                if self.closing:
+                    raise OpenAIError(503, "The router is shutting down", SERVICE_UNAVAILABLE, None,
+                                      "shutting_down")
+                if attempts and (attempts >= self.max_attempts or loop.time() - arrived > self.retry_deadline_s):
+                    raise upstream_failed(failure)
+                started = time.perf_counter()
+                try:
+                    decision = self.balancer.decide(preq.prompt, time.time(), preq.affinity, excluded)
+                except NoCapacity as exc:
+                    await self._wait_for_capacity(exc, preq, failure, deadline, queued)
+                    queued = True  # then decide again
+                    continue
+                observe(self.metrics.decision, time.perf_counter() - started)
+                attempts += 1
+                worker_id = decision.worker_id
+                url = self.registry.url_of(worker_id)
+                # Leaving this block (an answer, a failure, a client disconnect, a bug) releases the booking.
+                with book(self.balancer, self.metrics, decision, preq.prompt) as booking:
+                    self.metrics.count_request(worker_id, decision.reason)
+                    preq.access.attempts = attempts
+                    try:
+                        upstream, first = await self._send(worker_id, url, preq)
+                    except _Failed as exc:
+                        failure = exc
+                    else:
+                        access = preq.access
+                        access.worker, access.reason = worker_id, decision.reason
+                        access.predicted_cached_tokens = decision.predicted_cached_tokens
+                        access.ttfb_s, access.booking = loop.time() - arrived, booking
+                        if preq.stream and upstream.status == 200:
+                            return await self._stream(request, preq, booking, upstream, first)
+                        response = self._complete(request, booking, upstream, first, preq.request_id,
+                                                  preq.response_headers)
+                        booking.release_after_answer()
+                        return response
+                self._attempt_failed(worker_id, failure, attempts)
+                excluded.add(worker_id)
         finally:
             admission.leave()
 
-    async def _attempts(self, request: web.Request, preq: ProxyRequest, arrived: float,
-                        deadline: float) -> web.StreamResponse:
-        loop = asyncio.get_running_loop()
-        excluded = set(preq.exclude)
-        failure: _Failed | None = None
-        attempts = 0
-        queued = False
-        while True:
-            if self.closing:
-                raise OpenAIError(503, "The router is shutting down", SERVICE_UNAVAILABLE, None, "shutting_down")
-            if attempts and (attempts >= self.max_attempts or loop.time() - arrived > self.retry_deadline_s):
-                raise upstream_failed(failure)
-            decision = await self._decide(preq, excluded, failure, deadline, queued)
-            if decision is None:
-                queued = True
-                continue
-            attempts += 1
-            worker_id = decision.worker_id
-            url = self.registry.url_of(worker_id)
-            # Leaving this block (an answer, a failure, a client disconnect, a bug) releases the booking.
-            with book(self.balancer, self.metrics, decision, preq.prompt) as booking:
-                self.metrics.count_request(worker_id, decision.reason)
-                preq.access.attempts = attempts
-                try:
-                    upstream, first = await self._send_guarded(worker_id, url, preq)
-                except _Failed as exc:
-                    failure = exc
-                else:
-                    access = preq.access
-                    access.worker, access.reason = worker_id, decision.reason
-                    access.predicted_cached_tokens = decision.predicted_cached_tokens
-                    access.ttfb_s, access.booking = loop.time() - arrived, booking
-                    if preq.stream and upstream.status == 200:
-                        return await self._stream(request, preq, booking, upstream, first)
-                    response = self._complete(request, booking, upstream, first, preq.request_id,
-                                              preq.response_headers)
-                    booking.release_after_answer()
-                    return response
-            self._attempt_failed(worker_id, failure, attempts)
-            excluded.add(worker_id)
-
-    async def _decide(self, preq: ProxyRequest, excluded: set[str], failure: _Failed | None,
-                      deadline: float, queued: bool) -> Decision | None:
-        """A decision, or None after waiting in the queue for capacity (then decide again)."""
-        started = time.perf_counter()
+    async def _wait_for_capacity(self, exc: NoCapacity, preq: ProxyRequest, failure: _Failed | None,
+                                 deadline: float, queued: bool) -> None:
+        """No candidate had capacity (``exc``): wait in the queue for some (then decide again),
+        or, with no candidate at all, the 502 of the last failure or a 503."""
+        if not exc.candidates:
+            if failure is not None:
+                raise upstream_failed(failure) from exc
+            raise OpenAIError(503, "No healthy worker is available", SERVICE_UNAVAILABLE, None,
+                              "no_workers") from exc
+        waited = time.perf_counter()
         try:
-            decision = self.balancer.decide(preq.prompt, time.time(), preq.affinity, excluded)
-        except NoCapacity as exc:
-            if not exc.candidates:
-                if failure is not None:
-                    raise upstream_failed(failure) from exc
-                raise OpenAIError(503, "No healthy worker is available", SERVICE_UNAVAILABLE, None,
-                                  "no_workers") from exc
-            waited = time.perf_counter()
-            try:
-                await self.admission.wait(len(preq.body), deadline, front=queued, holds_slot=True)
-            except Overloaded as over:
-                self.metrics.overloaded.labels(over.reason).inc()
-                raise
-            self.metrics.queue_wait.observe(time.perf_counter() - waited)
-            return None
-        observe(self.metrics.decision, time.perf_counter() - started)
-        return decision
+            await self.admission.wait(len(preq.body), deadline, front=queued, holds_slot=True)
+        except Overloaded as over:
+            self.metrics.overloaded.labels(over.reason).inc()
+            raise
+        self.metrics.queue_wait.observe(time.perf_counter() - waited)
 
     def _attempt_failed(self, worker_id: str, exc: _Failed, attempt: int) -> None:
         """Count a failed attempt (its booking already released) against its worker."""
@@ -351,55 +346,51 @@ class Proxy:
         if attempt < self.max_attempts:
             self.metrics.retries.inc()
 
-    async def _send_guarded(self, worker_id: str, url: str | None,
-                            preq: ProxyRequest) -> tuple[aiohttp.ClientResponse, bytes]:
-        """:meth:`_send` under an abortable guard: an abort of the worker is an ``aborted`` failure."""
+    async def _send(self, worker_id: str, url: str | None,
+                    preq: ProxyRequest) -> tuple[aiohttp.ClientResponse, bytes]:
+        """POST to the worker; then its first bytes (streaming 200) or its whole body (otherwise).
+        All of it under an abortable guard: an abort of the worker is an ``aborted`` failure."""
         if url is None:
             raise _Failed("unknown", "worker left the registry")
         guard = self._guard(worker_id)
+        guard.enter()  # (async with guard, without its two coroutines)
         try:
-            guard.enter()  # (async with guard, without its two coroutines)
             try:
-                sent = await self._send(url, preq)
-            except BaseException as exc:
+                upstream = await self.connections.post(url, preq.path, preq.body, preq.headers)
+            except asyncio.TimeoutError as exc:  # a connect timeout, or silence before the answer's head
+                raise _Failed("timeout", "no answer in time" if isinstance(exc, aiohttp.ServerTimeoutError)
+                              else "timed out connecting") from exc
+            except (aiohttp.ClientError, OSError) as exc:
+                raise _Failed("refused" if refused(exc) else "connect", f"{type(exc).__name__}: {exc}") from exc
+            try:
+                if upstream.status >= 500:
+                    raise _status_failure(upstream.status, await upstream.content.read(ERROR_BODY_BYTES))
+                if preq.stream and upstream.status == 200:
+                    first = await upstream.content.readany()
+                    if not first:
+                        raise _Failed("disconnected", "stream ended before its first byte")
+                else:  # (an answer already in whole: taken without _read_capped's two reads)
+                    first = upstream.body_nowait(MAX_RESPONSE_BYTES) if type(upstream) is UpstreamResponse else None
+                    if first is None:
+                        first = await _read_capped(upstream.content)
+            except asyncio.TimeoutError as exc:
+                upstream.close()
+                raise _Failed("timeout", "no answer in time") from exc
+            except (aiohttp.ClientError, OSError) as exc:
+                upstream.close()
+                raise _Failed("disconnected", f"{type(exc).__name__}: {exc}") from exc
+            except BaseException:
+                upstream.close()  # a _Failed, an abort or a client disconnect: drop the connection
+                raise
+        except BaseException as exc:
+            try:
                 guard.leave(type(exc), exc)
-                raise
-            guard.leave(None, None)
-            return sent
-        except TimeoutError:
-            if not guard.expired():
-                raise
-            raise _Failed("aborted", "the worker was taken out of rotation") from None
-
-    async def _send(self, url: str, preq: ProxyRequest) -> tuple[aiohttp.ClientResponse, bytes]:
-        """POST to the worker; then its first bytes (streaming 200) or its whole body (otherwise)."""
-        try:
-            upstream = await self.connections.post(url, preq.path, preq.body, preq.headers)
-        except asyncio.TimeoutError as exc:  # a connect timeout, or silence before the answer's head
-            raise _Failed("timeout", "no answer in time" if isinstance(exc, aiohttp.ServerTimeoutError)
-                          else "timed out connecting") from exc
-        except (aiohttp.ClientError, OSError) as exc:
-            raise _Failed("refused" if refused(exc) else "connect", f"{type(exc).__name__}: {exc}") from exc
-        try:
-            if upstream.status >= 500:
-                raise _status_failure(upstream.status, await upstream.content.read(ERROR_BODY_BYTES))
-            if preq.stream and upstream.status == 200:
-                first = await upstream.content.readany()
-                if not first:
-                    raise _Failed("disconnected", "stream ended before its first byte")
-            else:  # (an answer already in whole: taken without _read_capped's two reads)
-                first = upstream.body_nowait(MAX_RESPONSE_BYTES) if type(upstream) is UpstreamResponse else None
-                if first is None:
-                    first = await _read_capped(upstream.content)
-        except asyncio.TimeoutError as exc:
-            upstream.close()
-            raise _Failed("timeout", "no answer in time") from exc
-        except (aiohttp.ClientError, OSError) as exc:
-            upstream.close()
-            raise _Failed("disconnected", f"{type(exc).__name__}: {exc}") from exc
-        except BaseException:
-            upstream.close()  # a _Failed, an abort or a client disconnect: drop the connection
+            except TimeoutError:
+                if not guard.expired():
+                    raise
+                raise _Failed("aborted", "the worker was taken out of rotation") from None
             raise
+        guard.leave(None, None)
         return upstream, first
 
     def _headers(self, booking: BookedAttempt, upstream: aiohttp.ClientResponse,
