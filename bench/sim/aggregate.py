@@ -118,7 +118,8 @@ class AggregateWorker(SimWorker):
                 self._finish(pop_finished(heap, tick), now)
             self._run = None
         else:
-            self.speed.observe(now - self._start - self._finish_copies(), *self._step_work)
+            copy_s = self._finish_copies() if self.tier is not None else 0.0
+            self.speed.observe(now - self._start - copy_s, *self._step_work)
             self._apply_step(now)
             self._batch = []
         self._end = None

@@ -311,7 +311,7 @@ class SimWorker:
                        + self._flops_pair * shape.attention_pairs + 2.0 * shape.lora_token_params) / self._flops_s
             memory = (self._weight_bytes + self._kv_bytes_tok * shape.kv_tokens + shape.lora_weight_bytes) / self._bytes_s
             step_s = self._oh + (memory if memory > compute else compute)  # max(compute, memory)
-        self._end = now + (step_s + self._start_copies()
+        self._end = now + (step_s + (self._start_copies() if self.tier is not None else 0.0)
                            + (self.lora.take_load_s() if self.lora is not None else 0.0))
         return self._end
 
