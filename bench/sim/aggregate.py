@@ -61,12 +61,6 @@ class AggregateWorker(SimWorker):
 
     # ------------------------------------------------------------------ decoding prefix
 
-    def _push_block_need(self, req: SimRequest) -> None:
-        # A decode needs a new block on the step whose context exceeds its blocks' capacity.
-        nblocks = len(req.blocks)
-        heapq.heappush(self._block_at, (nblocks * self.unit - req.num_prompt - req.tick0 + 1, req.dseq,
-                                        nblocks, req))
-
     def _sync(self, req: SimRequest) -> None:
         """Write a decoding request's true counters into it."""
         req.num_output = self._tick + req.tick0
@@ -135,19 +129,25 @@ class AggregateWorker(SimWorker):
         preempted = stopped = False
         # Decodes whose context outgrew their blocks get one now, in running order; when none is
         # free, the most recently admitted requests are preempted (the reference's loop, for them).
-        if self._ndec and next_block_need(self._block_at) <= self._tick:
-            for req in pop_block_needs(self._block_at, self._tick):
+        tick = self._tick
+        if self._ndec and next_block_need(self._block_at) <= tick:
+            unit = self.unit
+            for req in pop_block_needs(self._block_at, tick):
                 if req.dseq < 0:
                     continue  # preempted for an earlier one
-                self._sync(req)
+                req.num_output = num_output = tick + req.tick0  # _sync
+                req.num_computed_tokens = req.num_prompt + num_output - 1
                 ok, evicted = self._allocate_or_preempt(req, 1)
                 preempted |= evicted
                 if not ok:
                     stopped = True  # the reference's scheduling loop ends at this request
                     break
-                self._push_block_need(req)
+                # It needs its next block on the step whose context exceeds its blocks' capacity.
+                nblocks = len(req.blocks)
+                heapq.heappush(self._block_at, (nblocks * unit - req.num_prompt - req.tick0 + 1, req.dseq,
+                                                nblocks, req))
         decodes = self._ndec
-        decode_ctx = self._dec_base + decodes * self._tick
+        decode_ctx = self._dec_base + decodes * tick
         budget -= decodes
         i = decodes
         while not stopped and i < len(running) and budget > 0:
@@ -201,7 +201,8 @@ class AggregateWorker(SimWorker):
             if num_output >= req.max_tokens:
                 done.append(req)
                 continue
-            # Its first token is out: it starts decoding, at running[_ndec] (_push_block_need written in).
+            # Its first token is out: it starts decoding, at running[_ndec]. It finishes at
+            # max_tokens and needs a block on the step whose context exceeds its blocks' capacity.
             req.tick0 = tick0 = num_output - tick
             self._dseq = dseq = self._dseq + 1
             req.dseq = dseq

@@ -203,7 +203,7 @@ class SimWorker:
     def add(self, req: SimRequest, now: float) -> float | None:
         """Queue ``req`` at ``now``; returns the time of this worker's next event."""
         req.worker_id = self.worker_id
-        req.prefill_left = left = req.num_tokens - req.num_computed_tokens
+        req.prefill_left = left = req.num_prompt + req.num_output - req.num_computed_tokens
         self.waiting.append(req)
         self.queued_prefill_tokens += left
         end = self._end
