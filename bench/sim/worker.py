@@ -361,9 +361,10 @@ class SimWorker:
         if self.lora is not None:
             return True  # adapters may block the head and not those behind it: step by step
         req = self.waiting[0]
-        hits, hit_tokens = self.kv.get_computed_blocks(req)
-        n = min(req.num_tokens - hit_tokens, max(1, self.max_num_batched_tokens - len(self.running)))
-        if not self.kv.can_allocate(req, n, hits):
+        kv = self.kv
+        hits, hit_tokens = kv.get_computed_blocks(req)
+        n = min(req.num_prompt + req.num_output - hit_tokens, max(1, self.max_num_batched_tokens - len(self.running)))
+        if not kv.can_allocate(req, n, hits):
             return False
         # The step scheduled next admits it first with these hits, unless a running request
         # allocates before (which may evict cached blocks): _allocate_or_preempt forgets them.
