@@ -30,7 +30,7 @@ import heapq
 from worker.engine.kv_cache.kv_tier import KVTier
 from worker.simulator.latency import LatencyModel, StepShape
 
-from bench.sim.simloop import next_block_need, next_finish, observe_decode_run, pop_block_needs, pop_finished
+from bench.sim.simloop import decode_run_time, next_block_need, next_finish, observe_decode_run, pop_block_needs, pop_finished
 from bench.sim.lora import SimLoRA
 from bench.sim.worker import SimRequest, SimWorker, is_decode
 
@@ -61,23 +61,6 @@ class AggregateWorker(SimWorker):
 
     # ------------------------------------------------------------------ decoding prefix
 
-    def _join(self, req: SimRequest) -> None:
-        """``req`` (its first token just out, now at ``running[_ndec]``) starts decoding."""
-        tick0 = req.num_output - self._tick
-        req.tick0 = tick0
-        self._dseq += 1
-        req.dseq = dseq = self._dseq
-        self._ndec += 1
-        self._dec_base += req.num_prompt + tick0
-        heapq.heappush(self._finish_at, (req.max_tokens - tick0, dseq, req))
-        self._push_block_need(req)
-
-    def _push_block_need(self, req: SimRequest) -> None:
-        # A decode needs a new block on the step whose context exceeds its blocks' capacity.
-        nblocks = len(req.blocks)
-        heapq.heappush(self._block_at, (nblocks * self.unit - req.num_prompt - req.tick0 + 1, req.dseq,
-                                        nblocks, req))
-
     def _sync(self, req: SimRequest) -> None:
         """Write a decoding request's true counters into it."""
         req.num_output = self._tick + req.tick0
@@ -92,19 +75,27 @@ class AggregateWorker(SimWorker):
 
     # ------------------------------------------------------------------ stepping
 
-    def _decode_run(self) -> tuple[float, float, float, float, int] | None:
+    def _start_step(self, now: float) -> float | None:
+        # SimWorker's, with _decode_run written in: most of a replica's events start a decode run.
+        self.version += 1
+        self._start = now
         b = self._ndec
-        if not self.decode_runs or not b or b != len(self.running) or self.waiting and self._can_admit_head():
-            return None
-        k = min(next_finish(self._finish_at), next_block_need(self._block_at)) - self._tick
-        if k < 2:
-            return None
-        ctx = self.running_tokens  # every running request is decoding
-        c0 = self._c_tok * b + self._c_ctx * ctx
-        m0 = self._m_base + self._m_ctx * ctx
-        if self.lora is not None:
-            c0, m0 = self._with_lora(c0, m0, b)
-        return (c0, self._c_ctx * b, m0, self._m_ctx * b, k)
+        if (self.decode_runs and b and b == len(self.running)
+                and not (self.waiting and self._can_admit_head())):
+            k = min(next_finish(self._finish_at), next_block_need(self._block_at)) - self._tick
+            if k >= 2:
+                ctx = self.running_tokens  # every running request is decoding
+                c_ctx, m_ctx = self._c_ctx, self._m_ctx
+                c0 = self._c_tok * b + c_ctx * ctx
+                m0 = self._m_base + m_ctx * ctx
+                if self.lora is not None:
+                    c0, m0 = self._with_lora(c0, m0, b)
+                c1 = c_ctx * b
+                m1 = m_ctx * b
+                self._run = (c0, c1, m0, m1, k)
+                self._end = end = now + decode_run_time(self._oh, c0, c1, m0, m1, k)
+                return end
+        return self._start_scheduled(now)
 
     def on_event(self, now: float) -> float | None:
         self.busy_s += now - self._start
@@ -121,7 +112,8 @@ class AggregateWorker(SimWorker):
                 self._finish(pop_finished(heap, tick), now)
             self._run = None
         else:
-            self.speed.observe(now - self._start - self._finish_copies(), *self._step_work)
+            copy_s = self._finish_copies() if self.tier is not None else 0.0
+            self.speed.observe(now - self._start - copy_s, *self._step_work)
             self._apply_step(now)
             self._batch = []
         self._end = None
@@ -137,19 +129,25 @@ class AggregateWorker(SimWorker):
         preempted = stopped = False
         # Decodes whose context outgrew their blocks get one now, in running order; when none is
         # free, the most recently admitted requests are preempted (the reference's loop, for them).
-        if self._ndec and next_block_need(self._block_at) <= self._tick:
-            for req in pop_block_needs(self._block_at, self._tick):
+        tick = self._tick
+        if self._ndec and next_block_need(self._block_at) <= tick:
+            unit = self.unit
+            for req in pop_block_needs(self._block_at, tick):
                 if req.dseq < 0:
                     continue  # preempted for an earlier one
-                self._sync(req)
+                req.num_output = num_output = tick + req.tick0  # _sync
+                req.num_computed_tokens = req.num_prompt + num_output - 1
                 ok, evicted = self._allocate_or_preempt(req, 1)
                 preempted |= evicted
                 if not ok:
                     stopped = True  # the reference's scheduling loop ends at this request
                     break
-                self._push_block_need(req)
+                # It needs its next block on the step whose context exceeds its blocks' capacity.
+                nblocks = len(req.blocks)
+                heapq.heappush(self._block_at, (nblocks * unit - req.num_prompt - req.tick0 + 1, req.dseq,
+                                                nblocks, req))
         decodes = self._ndec
-        decode_ctx = self._dec_base + decodes * self._tick
+        decode_ctx = self._dec_base + decodes * tick
         budget -= decodes
         i = decodes
         while not stopped and i < len(running) and budget > 0:
@@ -171,7 +169,14 @@ class AggregateWorker(SimWorker):
             admitted_decodes, admitted_ctx = self._admit(scheduled, shape, budget)
             decodes += admitted_decodes
             decode_ctx += admitted_ctx
-        self._add_decodes(shape, decodes, decode_ctx)
+        # _add_decodes written in
+        self._decodes = decodes
+        self._prefill_pairs = shape.attention_pairs
+        shape.tokens += decodes
+        shape.sampled += decodes
+        shape.attention_pairs += decode_ctx
+        shape.kv_tokens += decode_ctx
+        shape.num_seqs += decodes
         return scheduled, shape
 
     def _apply_step(self, now: float) -> None:
@@ -179,13 +184,33 @@ class AggregateWorker(SimWorker):
         heap = self._finish_at
         done = pop_finished(heap, tick) if heap and heap[0][0] <= tick else []
         decodes = self._ndec  # the decoding prefix, as scheduled: one token each
-        for req, n in self._batch:  # the other chunks
-            if self._apply_prefill(req, n, now):
-                decodes += 1
-                if req.num_output >= req.max_tokens:
-                    done.append(req)
-                else:
-                    self._join(req)
+        cache_computed_blocks, unit = self.kv.cache_computed_blocks, self.unit
+        for req, n in self._batch:  # the other chunks: SimWorker._apply_prefill written in
+            req.prefill_left = left = req.prefill_left - n
+            self.queued_prefill_tokens -= n
+            self.prefill_tokens_computed += n
+            req.num_computed_tokens += n
+            cache_computed_blocks(req)
+            if left:
+                continue
+            req.num_output = num_output = req.num_output + 1
+            if req.first_token_at is None:
+                req.first_token_at = now
+                self.first_tokens.append(req)
+            decodes += 1
+            if num_output >= req.max_tokens:
+                done.append(req)
+                continue
+            # Its first token is out: it starts decoding, at running[_ndec]. It finishes at
+            # max_tokens and needs a block on the step whose context exceeds its blocks' capacity.
+            req.tick0 = tick0 = num_output - tick
+            self._dseq = dseq = self._dseq + 1
+            req.dseq = dseq
+            self._ndec += 1
+            self._dec_base += req.num_prompt + tick0
+            heapq.heappush(heap, (req.max_tokens - tick0, dseq, req))
+            nblocks = len(req.blocks)
+            heapq.heappush(self._block_at, (nblocks * unit - req.num_prompt - tick0 + 1, dseq, nblocks, req))
         self.running_tokens += decodes
         if done:
             self._finish(done, now)
@@ -196,10 +221,25 @@ class AggregateWorker(SimWorker):
         super()._preempt(req)
 
     def _finish(self, done: list[SimRequest], now: float) -> None:
+        # SimWorker's, each decoding request left first (_leave written in).
+        lora, running, free, finished = self.lora, self.running, self.kv.free, self.finished
+        tick = self._tick
         for req in done:
             if req.dseq >= 0:
-                self._leave(req)
-        super()._finish(done, now)
+                req.num_output = num_output = tick + req.tick0
+                req.num_computed_tokens = req.num_prompt + num_output - 1
+                self._ndec -= 1
+                self._dec_base -= req.num_prompt + req.tick0
+                req.dseq = -1
+            if lora is not None and req.lora_name is not None:
+                lora.unpin(req.lora_name)
+                lora.left(req.lora_name)
+                self.lora_running -= 1
+            running.remove(req)
+            self.running_tokens -= req.num_prompt + req.num_output
+            req.finished_at = now
+            free(req)
+            finished.append(req)
 
 
 def make_worker(worker_id: str, latency: LatencyModel, num_blocks: int, unit: int, max_num_seqs: int,

@@ -185,11 +185,12 @@ def _simulate(workload: Workload, cfg: FleetConfig, progress: Callable[[int], No
     def heartbeat(at: float) -> None:
         nonlocal next_poll
         for wi, w in enumerate(workers):
-            rate = w.speed.prefill_tokens_per_s if measured else prefill_rate
+            speed = w.speed
+            rate = speed.prefill_tokens_per_s if measured else prefill_rate
             if polling:
-                latest[wi] = router.refilled_report(w, at, rate, w.speed.decode_step_s)  # read, then dropped
+                latest[wi] = router.refilled_report(w, at, rate, speed.decode_step_s)  # read, then dropped
             else:
-                router.report(w, at, rate, w.speed.decode_step_s)
+                router.report(w, at, rate, speed.decode_step_s)
         if polling:
             next_poll = max(next_poll, math.ceil(at / poll) * poll)
 

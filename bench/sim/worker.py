@@ -176,6 +176,17 @@ class SimWorker:
         self._m_base = m.weight_bytes / latency._bytes_per_s
         self._m_ctx = m.kv_bytes_per_token / latency._bytes_per_s
         self._c_lora = 2.0 * lora_params / latency._flops_per_s  # per token with an adapter
+        # LatencyModel.step_time's factors (its flops() and bytes_moved() products up to the step's
+        # sums), for the step time written out in _start_scheduled; None: call the model's.
+        self._flops_tok: float | None = None
+        if type(latency) is LatencyModel:
+            self._flops_tok = 2.0 * m.matmul_params
+            self._flops_sampled = 2.0 * m.vocab_size * m.hidden_size
+            self._flops_pair = 4.0 * m.num_layers * m.num_heads * m.head_dim
+            self._flops_s = latency._flops_per_s
+            self._weight_bytes = m.weight_bytes
+            self._kv_bytes_tok = m.kv_bytes_per_token
+            self._bytes_s = latency._bytes_per_s
         self._m_lora = latency.lora_bytes(lora_params) / latency._bytes_per_s  # per distinct adapter in a step
 
     # ------------------------------------------------------------------ fleet interface
@@ -192,7 +203,7 @@ class SimWorker:
     def add(self, req: SimRequest, now: float) -> float | None:
         """Queue ``req`` at ``now``; returns the time of this worker's next event."""
         req.worker_id = self.worker_id
-        req.prefill_left = left = req.num_tokens - req.num_computed_tokens
+        req.prefill_left = left = req.num_prompt + req.num_output - req.num_computed_tokens
         self.waiting.append(req)
         self.queued_prefill_tokens += left
         end = self._end
@@ -278,6 +289,10 @@ class SimWorker:
             self._run = run
             self._end = now + decode_run_time(self._oh, *run)
             return self._end
+        return self._start_scheduled(now)
+
+    def _start_scheduled(self, now: float) -> float | None:
+        """Start the step :meth:`_schedule` makes (no decode run applies); its end, None if empty."""
         batch, shape = self._schedule()
         if not batch and not self._decodes:  # (AggregateWorker's batch lists prefill chunks only)
             self._end = None
@@ -289,7 +304,14 @@ class SimWorker:
         if self.lora is not None and self.lora_running:
             shape.add_lora(round(shape.tokens * self.lora_running / max(1, len(self.running))), self.lora_params)
             shape.add_lora_weights(self.lora.busy() * self.latency.lora_bytes(self.lora_params))
-        self._end = now + (self.latency.step_time(shape) + self._start_copies()
+        if self._flops_tok is None or not shape.num_seqs:
+            step_s = self.latency.step_time(shape)
+        else:  # LatencyModel.step_time written out: the same float expressions, in the same order
+            compute = (self._flops_tok * shape.tokens + self._flops_sampled * shape.sampled
+                       + self._flops_pair * shape.attention_pairs + 2.0 * shape.lora_token_params) / self._flops_s
+            memory = (self._weight_bytes + self._kv_bytes_tok * shape.kv_tokens + shape.lora_weight_bytes) / self._bytes_s
+            step_s = self._oh + (memory if memory > compute else compute)  # max(compute, memory)
+        self._end = now + (step_s + (self._start_copies() if self.tier is not None else 0.0)
                            + (self.lora.take_load_s() if self.lora is not None else 0.0))
         return self._end
 
@@ -339,9 +361,10 @@ class SimWorker:
         if self.lora is not None:
             return True  # adapters may block the head and not those behind it: step by step
         req = self.waiting[0]
-        hits, hit_tokens = self.kv.get_computed_blocks(req)
-        n = min(req.num_tokens - hit_tokens, max(1, self.max_num_batched_tokens - len(self.running)))
-        if not self.kv.can_allocate(req, n, hits):
+        kv = self.kv
+        hits, hit_tokens = kv.get_computed_blocks(req)
+        n = min(req.num_prompt + req.num_output - hit_tokens, max(1, self.max_num_batched_tokens - len(self.running)))
+        if not kv.can_allocate(req, n, hits):
             return False
         # The step scheduled next admits it first with these hits, unless a running request
         # allocates before (which may evict cached blocks): _allocate_or_preempt forgets them.
@@ -453,7 +476,8 @@ class SimWorker:
                     recomputed, run = len(run), []
             loaded = len(run) * self.unit
             hit_tokens = gpu_tokens + loaded
-            n = min(req.num_tokens - hit_tokens, budget)
+            num_tokens = req.num_prompt + req.num_output  # (req.num_tokens, without the property call)
+            n = min(num_tokens - hit_tokens, budget)
             if not kv.allocate_slots(req, loaded + n, hits):
                 if run and tier is not None:
                     tier.unpin(run)
@@ -478,13 +502,13 @@ class SimWorker:
                 req.cached_tokens = hit_tokens
                 req.loaded_tokens = loaded
             running.append(req)
-            self.running_tokens += req.num_tokens
+            self.running_tokens += num_tokens
             scheduled.append((req, n))
-            if is_decode(req, n):
+            if n == 1 and req.prefill_left <= 1 and req.num_output > 0:  # is_decode(req, n)
                 decodes += 1
-                decode_ctx += req.num_tokens
+                decode_ctx += num_tokens
             else:
-                shape.add_prefill(n, hit_tokens, samples=hit_tokens + n == req.num_tokens)
+                shape.add_prefill(n, hit_tokens, samples=hit_tokens + n == num_tokens)
             budget -= n
         if lora is not None:
             lora.end_admission(i >= len(self.waiting), blocked)
