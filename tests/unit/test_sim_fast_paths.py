@@ -93,6 +93,35 @@ def test_a_lone_aggregate_worker_matches_the_reference_event_by_event_under_pree
     aggregate.pool.check_invariants()
 
 
+class _CalledLatency(LatencyModel):
+    """A LatencyModel whose step_time a worker calls (its written-out form is only for the exact
+    type), counting the calls."""
+    calls = 0
+
+    def step_time(self, shape):
+        type(self).calls += 1
+        return super().step_time(shape)
+
+
+@pytest.mark.parametrize("cls", [SimWorker, AggregateWorker])
+@pytest.mark.parametrize("seed", range(3))
+def test_a_workers_written_out_step_time_is_the_latency_models_to_the_bit(cls, seed):
+    rng = random.Random(100 + seed)
+    arrivals, t = [], 0.0
+    for i in range(60):
+        t += rng.expovariate(40.0)
+        prompt = rng.randint(30, 500)
+        hashes = [rng.randint(1, 3)] + [rng.randint(10, 10**9) for _ in range(7)]
+        arrivals.append((t, i, hashes[:prompt // 64], prompt, rng.randint(1, 120)))
+    shape = dict(num_blocks=30, unit=64, max_num_seqs=10, max_num_batched_tokens=320)
+    gpu, model = get_gpu("H100-80G"), get_model("llama-3-8b")
+    written, called = cls("w", LatencyModel(gpu, model), **shape), cls("w", _CalledLatency(gpu, model), **shape)
+    assert written._flops_tok is not None and called._flops_tok is None
+    _CalledLatency.calls = 0
+    assert _replay(written, arrivals) == _replay(called, arrivals)  # event times compared as floats, exactly
+    assert _CalledLatency.calls > 20
+
+
 def test_make_worker_uses_the_reference_when_decodes_may_not_fit_a_steps_budget():
     lm = _latency()
     assert type(make_worker("a", lm, 10, 64, max_num_seqs=256, max_num_batched_tokens=8192)) is AggregateWorker
