@@ -1204,6 +1204,25 @@ live_in(PyObject *entry, PyObject *live, double now)
     return 0;
 }
 
+/* Whether some live worker holds chunk ``i`` of ``hashes`` (PrefixIndex._live_in of its entry):
+ * 1 with *held set; 0 where a value is not plain (the caller declines); -1 with an exception. */
+static int
+chunk_held(PyObject *map, PyObject *live, PyObject *hashes, Py_ssize_t i, double now, int *held)
+{
+    PyObject *entry;
+    int status = index_entry(map, hashes, i, &entry);
+    if (status <= 0)
+        return status;
+    int found = 0;
+    if (entry != NULL && PyDict_GET_SIZE(entry) > 0)
+        found = live_in(entry, live, now);
+    Py_XDECREF(entry);
+    if (found < 0)
+        return 0;
+    *held = found;
+    return 1;
+}
+
 /* match_many(map, live, hashes, now, limit, holder_type)
  *
  * PrefixIndex._match_many (see _match_many_python in index.py, the same steps in the same order):
@@ -1251,14 +1270,9 @@ hot_match_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t lo = 0, hi = PyList_CheckExact(hashes) ? PyList_GET_SIZE(hashes) : PyTuple_GET_SIZE(hashes);
     while (lo < hi) {  /* hashes[:lo] have a live holder; the largest such lo */
         Py_ssize_t mid = lo + (hi - lo + 1) / 2;
-        if ((status = index_entry(map, hashes, mid - 1, &entry)) <= 0)
+        int held;
+        if ((status = chunk_held(map, live, hashes, mid - 1, now, &held)) <= 0)
             goto decline_or_fail;
-        int held = 0;
-        if (entry != NULL && PyDict_GET_SIZE(entry) > 0)
-            held = live_in(entry, live, now);
-        Py_CLEAR(entry);
-        if (held < 0)
-            goto decline;
         if (held)
             lo = mid;
         else
@@ -1268,14 +1282,9 @@ hot_match_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (touch == NULL)
         goto fail;
     for (Py_ssize_t i = 0; i < lo; i++) {  /* the verifying walk, making the prefix most recently used */
-        if ((status = index_entry(map, hashes, i, &entry)) <= 0)
+        int held;
+        if ((status = chunk_held(map, live, hashes, i, now, &held)) <= 0)
             goto decline_or_fail;
-        int held = 0;
-        if (entry != NULL && PyDict_GET_SIZE(entry) > 0)
-            held = live_in(entry, live, now);
-        Py_CLEAR(entry);
-        if (held < 0)
-            goto decline;
         if (!held) {
             lo = i;
             break;
