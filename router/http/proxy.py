@@ -401,7 +401,8 @@ class Proxy:
             value = given.get(name)
             if value is not None:
                 headers[name] = value
-        headers.update(extra or {})
+        if extra:
+            headers.update(extra)
         if request_id:
             headers["X-Request-Id"] = request_id
         d = booking.decision
