@@ -26,7 +26,7 @@ import os
 import re
 import weakref
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Collection, Protocol, TypeVar
+from typing import AbstractSet, Any, AsyncIterator, Callable, Protocol, TypeVar
 
 from protocol.openai_errors import OpenAIError, bad_request, body_too_large
 from protocol.untrusted_json import scan_whole
@@ -490,10 +490,12 @@ def _check_strings(root: Any) -> None:
             stack.extend(value)
 
 
-def check_ignored_fields(body: dict[str, Any], read: Collection[str], limits: RequestLimits) -> None:
+def check_ignored_fields(body: dict[str, Any], read: AbstractSet[str], limits: RequestLimits) -> None:
     """Refuse containers in the top-level fields outside ``read`` (the fields this server reads)
     that nest deeper than ``max_ignored_depth`` or hold more than ``max_ignored_nodes`` values
     and keys in all: they change nothing here, so all they can do is cost."""
+    if read.issuperset(body):  # (the usual body: every field one this server reads)
+        return
     left = limits.max_ignored_nodes
     for name, value in body.items():
         if name in read or not isinstance(value, (dict, list)):

@@ -131,7 +131,8 @@ def _route_parsed(request: web.Request, ctx: RouterContext, chat: bool, raw: byt
     """A validated request to a virtual model's handler or, the usual case, to :func:`_route`."""
     # The client's request id, or one made here: returned, passed to the worker, in the access log.
     # (32 random hex digits, as uuid4().hex but without building a UUID)
-    request_id = forwardable(HEADER_REQUEST_ID, request.headers.get(HEADER_REQUEST_ID) or os.urandom(16).hex())
+    request_id = request.headers.get(HEADER_REQUEST_ID)
+    request_id = forwardable(HEADER_REQUEST_ID, request_id) if request_id else os.urandom(16).hex()
     virtual = ctx.virtual_models.get(parsed.model)
     if virtual is not None:
         async def forward_to(body: dict, is_chat: bool, stream: bool, include_usage: bool,

@@ -269,7 +269,7 @@ class Proxy:
             self.metrics.queue_wait.observe(loop.time() - arrived)
         # The attempts, here rather than in a coroutine of their own (one a request less).
         try:
-            excluded = set(preq.exclude)
+            excluded = preq.exclude  # (a new set only once an attempt fails)
             failure: _Failed | None = None
             attempts = 0
             queued = False
@@ -310,7 +310,7 @@ class Proxy:
                         booking.release_after_answer()
                         return response
                 self._attempt_failed(worker_id, failure, attempts)
-                excluded.add(worker_id)
+                excluded = excluded | {worker_id}
         finally:
             admission.leave()
 
@@ -396,12 +396,9 @@ class Proxy:
     def _headers(self, booking: BookedAttempt, upstream: aiohttp.ClientResponse,
                  request_id: str = "", extra: Mapping[str, str] | None = None) -> dict[str, str]:
         given = upstream.headers
-        headers = {}
-        for name in PASS_BACK:
-            value = given.get(name)
-            if value is not None:
-                headers[name] = value
-        headers.update(extra or {})
+        headers = {name: value for name in PASS_BACK if (value := given.get(name)) is not None}
+        if extra:
+            headers.update(extra)
         if request_id:
             headers["X-Request-Id"] = request_id
         d = booking.decision

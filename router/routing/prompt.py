@@ -48,6 +48,8 @@ def session_key_of(headers: Mapping[str, str], body: Mapping[str, Any],
         value = headers.get(name)
         if value:
             return value[:MAX_SESSION_KEY_CHARS]
+    if body.keys().isdisjoint(field_names):  # (the usual body: none of the fields)
+        return None
     for name in field_names:
         value = body.get(name)
         if isinstance(value, (str, int)) and not isinstance(value, bool) and str(value):
