@@ -196,11 +196,7 @@ class UpstreamResponse:
                     self._state = _DONE if state == _LENGTH else _CHUNK_CRLF
         else:
             self._buf += data
-            try:
-                self._parse()
-            except UpstreamProtocolError as exc:
-                self._fail(exc)
-                self._conn.close()
+            self._parse_or_fail()
         self._wake()
 
     def _feed_head(self, data: bytes) -> None:
@@ -230,12 +226,16 @@ class UpstreamResponse:
             else:
                 self._buf += memoryview(data)[end + 4:]
         if self._buf:
-            try:
-                self._parse()
-            except UpstreamProtocolError as exc:
-                self._fail(exc)
-                self._conn.close()
+            self._parse_or_fail()
         self._wake()
+
+    def _parse_or_fail(self) -> None:
+        """:meth:`_parse` the buffer; a malformed answer fails the response and closes the connection."""
+        try:
+            self._parse()
+        except UpstreamProtocolError as exc:
+            self._fail(exc)
+            self._conn.close()
 
     def _parse(self) -> None:
         """Consume what the buffer holds, state by state (one pass: the consumed bytes are
