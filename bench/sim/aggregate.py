@@ -42,8 +42,6 @@ class AggregateWorker(SimWorker):
     :func:`make_worker` falls back to the reference otherwise.
     """
 
-    copies_run_batch = False  # a run's batch is the decoding prefix, which this worker tracks itself
-
     def __init__(self, worker_id: str, latency: LatencyModel, num_blocks: int, unit: int,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  enable_caching: bool = True, decode_runs: bool = True, tier: KVTier | None = None,
@@ -65,6 +63,12 @@ class AggregateWorker(SimWorker):
         """Write a decoding request's true counters into it."""
         req.num_output = self._tick + req.tick0
         req.num_computed_tokens = req.num_prompt + req.num_output - 1
+
+    def _push_block_need(self, req: SimRequest) -> None:
+        # A decode needs a new block on the step whose context exceeds its blocks' capacity.
+        nblocks = len(req.blocks)
+        heapq.heappush(self._block_at, (nblocks * self.unit - req.num_prompt - req.tick0 + 1, req.dseq,
+                                        nblocks, req))
 
     def _leave(self, req: SimRequest) -> None:
         """``req`` stops decoding (finished or preempted); its counters are made true first."""
@@ -131,21 +135,16 @@ class AggregateWorker(SimWorker):
         # free, the most recently admitted requests are preempted (the reference's loop, for them).
         tick = self._tick
         if self._ndec and next_block_need(self._block_at) <= tick:
-            unit = self.unit
             for req in pop_block_needs(self._block_at, tick):
                 if req.dseq < 0:
                     continue  # preempted for an earlier one
-                req.num_output = num_output = tick + req.tick0  # _sync
-                req.num_computed_tokens = req.num_prompt + num_output - 1
+                self._sync(req)
                 ok, evicted = self._allocate_or_preempt(req, 1)
                 preempted |= evicted
                 if not ok:
                     stopped = True  # the reference's scheduling loop ends at this request
                     break
-                # It needs its next block on the step whose context exceeds its blocks' capacity.
-                nblocks = len(req.blocks)
-                heapq.heappush(self._block_at, (nblocks * unit - req.num_prompt - req.tick0 + 1, req.dseq,
-                                                nblocks, req))
+                self._push_block_need(req)
         decodes = self._ndec
         decode_ctx = self._dec_base + decodes * tick
         budget -= decodes
@@ -169,14 +168,7 @@ class AggregateWorker(SimWorker):
             admitted_decodes, admitted_ctx = self._admit(scheduled, shape, budget)
             decodes += admitted_decodes
             decode_ctx += admitted_ctx
-        # _add_decodes written in
-        self._decodes = decodes
-        self._prefill_pairs = shape.attention_pairs
-        shape.tokens += decodes
-        shape.sampled += decodes
-        shape.attention_pairs += decode_ctx
-        shape.kv_tokens += decode_ctx
-        shape.num_seqs += decodes
+        self._add_decodes(shape, decodes, decode_ctx)
         return scheduled, shape
 
     def _apply_step(self, now: float) -> None:
@@ -184,33 +176,22 @@ class AggregateWorker(SimWorker):
         heap = self._finish_at
         done = pop_finished(heap, tick) if heap and heap[0][0] <= tick else []
         decodes = self._ndec  # the decoding prefix, as scheduled: one token each
-        cache_computed_blocks, unit = self.kv.cache_computed_blocks, self.unit
-        for req, n in self._batch:  # the other chunks: SimWorker._apply_prefill written in
-            req.prefill_left = left = req.prefill_left - n
-            self.queued_prefill_tokens -= n
-            self.prefill_tokens_computed += n
-            req.num_computed_tokens += n
-            cache_computed_blocks(req)
-            if left:
+        for req, n in self._batch:  # the other chunks
+            if not self._apply_prefill(req, n, now):
                 continue
-            req.num_output = num_output = req.num_output + 1
-            if req.first_token_at is None:
-                req.first_token_at = now
-                self.first_tokens.append(req)
+            num_output = req.num_output
             decodes += 1
             if num_output >= req.max_tokens:
                 done.append(req)
                 continue
-            # Its first token is out: it starts decoding, at running[_ndec]. It finishes at
-            # max_tokens and needs a block on the step whose context exceeds its blocks' capacity.
+            # Its first token is out: it starts decoding, at running[_ndec], until max_tokens.
             req.tick0 = tick0 = num_output - tick
             self._dseq = dseq = self._dseq + 1
             req.dseq = dseq
             self._ndec += 1
             self._dec_base += req.num_prompt + tick0
             heapq.heappush(heap, (req.max_tokens - tick0, dseq, req))
-            nblocks = len(req.blocks)
-            heapq.heappush(self._block_at, (nblocks * unit - req.num_prompt - tick0 + 1, dseq, nblocks, req))
+            self._push_block_need(req)
         self.running_tokens += decodes
         if done:
             self._finish(done, now)
@@ -221,25 +202,10 @@ class AggregateWorker(SimWorker):
         super()._preempt(req)
 
     def _finish(self, done: list[SimRequest], now: float) -> None:
-        # SimWorker's, each decoding request left first (_leave written in).
-        lora, running, free, finished = self.lora, self.running, self.kv.free, self.finished
-        tick = self._tick
         for req in done:
             if req.dseq >= 0:
-                req.num_output = num_output = tick + req.tick0
-                req.num_computed_tokens = req.num_prompt + num_output - 1
-                self._ndec -= 1
-                self._dec_base -= req.num_prompt + req.tick0
-                req.dseq = -1
-            if lora is not None and req.lora_name is not None:
-                lora.unpin(req.lora_name)
-                lora.left(req.lora_name)
-                self.lora_running -= 1
-            running.remove(req)
-            self.running_tokens -= req.num_prompt + req.num_output
-            req.finished_at = now
-            free(req)
-            finished.append(req)
+                self._leave(req)
+        super()._finish(done, now)
 
 
 def make_worker(worker_id: str, latency: LatencyModel, num_blocks: int, unit: int, max_num_seqs: int,

@@ -125,8 +125,6 @@ class SimWorker:
     :attr:`version` to invalidate older entries.
     """
 
-    copies_run_batch = True  # a decode run's batch is a copy of the running list (not AggregateWorker's)
-
     def __init__(self, worker_id: str, latency: LatencyModel, num_blocks: int, unit: int,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  enable_caching: bool = True, decode_runs: bool = True, tier: KVTier | None = None,
@@ -284,8 +282,7 @@ class SimWorker:
         self._start = now
         run = self._decode_run()
         if run is not None:
-            if self.copies_run_batch:
-                self._batch = list(self.running)
+            self._batch = list(self.running)
             self._run = run
             self._end = now + decode_run_time(self._oh, *run)
             return self._end
@@ -504,7 +501,7 @@ class SimWorker:
             running.append(req)
             self.running_tokens += num_tokens
             scheduled.append((req, n))
-            if n == 1 and req.prefill_left <= 1 and req.num_output > 0:  # is_decode(req, n)
+            if is_decode(req, n):
                 decodes += 1
                 decode_ctx += num_tokens
             else:
