@@ -60,7 +60,7 @@ def _int(body: dict, name: str, default: int | None, lo: int, hi: int) -> int | 
     value = body.get(name)
     if value is None:
         return default
-    if not isinstance(value, int) or isinstance(value, bool):  # (not _is_int: one call less)
+    if not _is_int(value):
         raise bad_request(f"'{name}' must be an integer", name)
     if not lo <= value <= hi:
         raise bad_request(f"'{name}' must be between {lo} and {hi}, got {value}", name)

@@ -34,9 +34,8 @@ class CostAccounting:
         """Price and count one answer's OpenAI ``usage`` (nothing when there is none)."""
         if type(usage) is not dict and not isinstance(usage, Mapping):  # (a dict: no ABC check)
             return None
-        counts = openai_counts(usage)  # (a Usage built only when there is a price to apply)
-        price = self.price_book.get(model) if self.price_book is not None else None
-        priced = price_usage(Usage(*counts), price) if price is not None else None
+        counts = openai_counts(usage)  # (a Usage built only when there is a price book)
+        priced = self.price(model, Usage(*counts)) if self.price_book is not None else None
         self.ledger.record_counts(model, tenant, counts, priced)
         return priced
 

@@ -34,13 +34,8 @@ class UsageTotals:
     no_cache_cost_usd: float = 0.0
     unpriced_requests: int = 0
 
-    def add(self, usage: Usage, priced: PricedUsage | None) -> None:
-        """Count one response."""
-        self.add_counts(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens, usage.cache_write_tokens,
-                        priced)
-
     def add_counts(self, prompt: int, completion: int, cached: int, written: int, priced: PricedUsage | None) -> None:
-        """Count one response of these token counts (a :class:`Usage`'s, unbuilt)."""
+        """Count one response of these token counts (a :class:`Usage`'s)."""
         self.requests += 1
         self.prompt_tokens += prompt
         self.cached_tokens += cached

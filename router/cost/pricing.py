@@ -99,18 +99,13 @@ def openai_counts(usage: Mapping[str, Any] | None) -> tuple[int, int, int, int]:
     if type(usage) is not dict and not isinstance(usage, Mapping):  # (a dict: no ABC check)
         return 0, 0, 0, 0
     details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if type(details) is dict or isinstance(details, Mapping) else 0
-    if type(cached) is not int or cached < 0:
-        cached = _count(cached)
+    cached = _count(details.get("cached_tokens")) if type(details) is dict or isinstance(details, Mapping) else 0
     if "cache_read_input_tokens" in usage or "cache_creation_input_tokens" in usage:
         read, written = _count(usage.get("cache_read_input_tokens")), _count(usage.get("cache_creation_input_tokens"))
         prompt = _count(usage.get("input_tokens")) + read + written
         return prompt, _count(usage.get("output_tokens")), read, written
-    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-    # (plain ints, the usual case, pass without a call of _count each; as cached_tokens above)
-    if not (type(prompt) is int and type(completion) is int and prompt >= 0 and completion >= 0):
-        prompt, completion = _count(prompt), _count(completion)
-    return prompt, completion, min(cached, prompt), 0
+    prompt = _count(usage.get("prompt_tokens"))
+    return prompt, _count(usage.get("completion_tokens")), min(cached, prompt), 0
 
 
 def assume_full_prompt_writes(usage: Usage, price: HostedPrice, ttl: str = "5m") -> Usage:
