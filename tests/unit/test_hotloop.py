@@ -636,6 +636,8 @@ def test_the_index_matches_many_holders_as_python_does(seed):
     the same most-recently-used order of the index as its Python method, on a random index."""
     import copy
 
+    from router.routing.index import _Holder
+
     rng = random.Random(seed)
     index, prompts, now = _random_index(rng)
     other = copy.deepcopy(index)
@@ -645,7 +647,8 @@ def test_the_index_matches_many_holders_as_python_does(seed):
             hashes = tuple(hashes)
         at = now + rng.choice([0.0, 0.5, 1.5, 4.0, 40.0])
         limit = rng.choice([0, 1, 2, 3, 8])
-        compiled = index._match_many(hashes, at, limit)
+        compiled = C_LOOPS.match_many(index._map, index._live, hashes, at, limit, _Holder)
+        assert compiled is not NotImplemented  # plain values: the C answers (no Python fallback compared)
         python = other._match_many_python(hashes, at, limit)
         assert compiled == python
         assert list(index._map) == list(other._map)  # the same hashes made most recently used
