@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from dataclasses import dataclass, field
+from typing import Iterable
 
 from router.cost.pricing import PricedUsage, Usage
 
@@ -47,6 +48,15 @@ class UsageTotals:
             self.cost_usd += priced.total_usd
             self.no_cache_cost_usd += priced.no_cache_usd
 
+    @classmethod
+    def summed(cls, parts: Iterable["UsageTotals"]) -> "UsageTotals":
+        """The totals of ``parts`` added up."""
+        out = cls()
+        for t in parts:
+            for f in dataclasses.fields(cls):
+                setattr(out, f.name, getattr(out, f.name) + getattr(t, f.name))
+        return out
+
     @property
     def saved_usd(self) -> float:
         """What caching saved over these responses."""
@@ -73,10 +83,10 @@ def tenant_of(api_key: str | None = None, session: str | None = None) -> str:
 
 @dataclass(slots=True)
 class UsageLedger:
-    """Totals overall, per model, per tenant, and per (tenant, model)."""
+    """Totals per model and per (tenant, model), kept as answers are recorded; overall and per
+    tenant, added up from them when read."""
 
     max_tenants: int = 10_000
-    total: UsageTotals = field(default_factory=UsageTotals)
     models: dict[str, UsageTotals] = field(default_factory=dict)
     tenants: dict[str, dict[str, UsageTotals]] = field(default_factory=dict)
     overflowed_tenants: int = 0
@@ -90,7 +100,6 @@ class UsageLedger:
                       priced: PricedUsage | None) -> None:
         """:meth:`record` of a usage's ``(prompt, completion, cached, written)`` counts
         (``router.cost.pricing.openai_counts``), without a :class:`Usage` built for them."""
-        self.total.add_counts(*counts, priced)
         totals = self.models.get(model)  # get first: setdefault would build a UsageTotals every time
         if totals is None:
             totals = self.models[model] = UsageTotals()
@@ -106,13 +115,14 @@ class UsageLedger:
             totals = per_model[model] = UsageTotals()
         totals.add_counts(*counts, priced)
 
+    @property
+    def total(self) -> UsageTotals:
+        """The totals over every model (added up when read, not on every answer)."""
+        return UsageTotals.summed(self.models.values())
+
     def tenant_total(self, tenant: str) -> UsageTotals:
         """One tenant's totals over all its models."""
-        out = UsageTotals()
-        for t in self.tenants.get(tenant, {}).values():
-            for f in dataclasses.fields(UsageTotals):
-                setattr(out, f.name, getattr(out, f.name) + getattr(t, f.name))
-        return out
+        return UsageTotals.summed(self.tenants.get(tenant, {}).values())
 
     def snapshot(self) -> dict:
         """The body of ``GET /admin/usage``: totals overall, by model, and by tenant."""

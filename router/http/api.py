@@ -232,19 +232,20 @@ def _access(ctx: RouterContext, preq: ProxyRequest, model: str, label: str, stat
     """One access-log line per request, the router's own latency histograms (by model: they
     hold for every kind of backend, vLLM's included), and the answer's usage in the ledger
     (billed to :func:`tenant_of_request`)."""
-    a = preq.access
-    if status == 200 and a.booking is not None and a.booking.usage is not None:
-        ctx.costs.record(model, tenant_of_request(request, api_keys, session), a.booking.usage)
-    ctx.metrics.observe_request(label, a.ttfb_s, duration_s)
+    booking = preq.booking
+    usage = booking.usage if booking is not None else None  # (read once: the answer parsed here)
+    if status == 200 and usage is not None:
+        ctx.costs.record(model, tenant_of_request(request, api_keys, session), usage)
+    ctx.metrics.observe_request(label, preq.ttfb_s, duration_s)
     if not access_log.isEnabledFor(logging.INFO):
         return
-    usage = usage_numbers(a.booking.usage) if a.booking is not None else None
+    numbers = usage_numbers(usage)
     log_info(access_log, "event=access request_id=%s model=%s path=%s stream=%s status=%d worker=%s reason=%s "
              "attempts=%d ttfb_ms=%s duration_ms=%.1f prompt_tokens=%s cached_tokens=%s "
-             "predicted_cached_tokens=%d", preq.request_id, model, preq.path, preq.stream, status, a.worker,
-             a.reason, a.attempts, "-" if a.ttfb_s is None else f"{1000 * a.ttfb_s:.1f}", 1000 * duration_s,
-             usage[0] if usage else "-", usage[1] if usage and usage[1] is not None else "-",
-             a.predicted_cached_tokens)
+             "predicted_cached_tokens=%d", preq.request_id, model, preq.path, preq.stream, status, preq.worker,
+             preq.reason, preq.attempts, "-" if preq.ttfb_s is None else f"{1000 * preq.ttfb_s:.1f}",
+             1000 * duration_s, numbers[0] if numbers else "-",
+             numbers[1] if numbers and numbers[1] is not None else "-", preq.predicted_cached_tokens)
 
 
 # The fast front's handlers (router/http/front.py): _inference itself, one coroutine less a request.

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from protocol import untrusted_json
@@ -29,19 +30,18 @@ from router.http.sse import usage_numbers
 log = logging.getLogger("prefixlb.router.proxy")
 
 
-class BookedAttempt:
-    """A worker booked for one attempt (see the module docstring); ``usage`` is what the worker
-    reported (its usage object), set by whoever read the answer, and learnt from on release."""
+@dataclass(slots=True, eq=False)
+class BookedAttempt(Booking):
+    """A worker booked for one attempt (see the module docstring): the balancer's
+    :class:`~router.routing.balancer.Booking` itself (one object an attempt, not a wrapper
+    around one), with what releasing it needs. ``usage`` is what the worker reported (its usage
+    object), set by whoever read the answer, and learnt from on release."""
 
-    __slots__ = ("balancer", "metrics", "booking", "_usage", "_answer", "after_answer")
-
-    def __init__(self, balancer: Balancer, metrics: RouterMetrics, booking: Booking) -> None:
-        self.balancer = balancer
-        self.metrics = metrics
-        self.booking = booking
-        self._usage: dict[str, Any] | None = None
-        self._answer: bytes | None = None
-        self.after_answer = False
+    balancer: Balancer | None = None
+    metrics: RouterMetrics | None = None
+    _usage: dict[str, Any] | None = None
+    _answer: bytes | None = None
+    after_answer: bool = False
 
     @property
     def usage(self) -> dict[str, Any] | None:
@@ -59,14 +59,9 @@ class BookedAttempt:
         for (by the release, in the loop's next turn): parsing the answer does not delay it."""
         self._usage, self._answer = None, data
 
-    @property
-    def decision(self) -> Decision:
-        """The decision this attempt acts on."""
-        return self.booking.decision
-
     def first_byte(self) -> None:
         """The worker started answering: its prefill of this request is done."""
-        self.balancer.first_byte(self.booking, time.time())
+        self.balancer.first_byte(self, time.time())  # type: ignore[union-attr]
 
     def __enter__(self) -> "BookedAttempt":
         return self
@@ -86,12 +81,12 @@ class BookedAttempt:
 
     def _release(self) -> None:
         numbers = usage_numbers(self.usage)
-        self.balancer.finish(self.booking, time.time(), numbers)
+        self.balancer.finish(self, time.time(), numbers)  # type: ignore[union-attr]
         if numbers is not None:
-            d = self.booking.decision
+            d = self.decision
             if numbers[1] is not None:
                 self.metrics.observe_feedback(d.worker_id, d.predicted_cached_tokens, numbers[0], numbers[1])
-            elif self.metrics.count_unreported_cached(d.worker_id):
+            elif self.metrics.count_unreported_cached(d.worker_id):  # type: ignore[union-attr]
                 log.warning("event=cached_tokens_unreported worker=%s (its usage has no prompt_tokens_details."
                             "cached_tokens: routing cannot learn from its answers; vLLM needs "
                             "--enable-prompt-tokens-details)", d.worker_id)
@@ -109,4 +104,6 @@ def json_usage(data: bytes) -> dict[str, Any] | None:
 
 def book(balancer: Balancer, metrics: RouterMetrics, decision: Decision, prompt: PromptKey) -> BookedAttempt:
     """Book ``decision``'s worker for ``prompt`` now; release it by leaving the returned context."""
-    return BookedAttempt(balancer, metrics, balancer.dispatch(decision, prompt, time.time()))
+    attempt = balancer.dispatch(decision, prompt, time.time(), BookedAttempt)
+    attempt.balancer, attempt.metrics = balancer, metrics
+    return attempt

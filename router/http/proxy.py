@@ -60,7 +60,7 @@ from router.http.booking import BookedAttempt, book
 from router.http.front import stream_response, whole_response
 from router.http.sse import EventTooLarge, UsageTap
 
-__all__ = ["Proxy", "ProxyRequest", "AccessRecord", "Overloaded", "RETRY_AFTER_S", "HEADER_WORKER",
+__all__ = ["Proxy", "ProxyRequest", "Overloaded", "RETRY_AFTER_S", "HEADER_WORKER",
            "HEADER_PREDICTED", "HEADER_REASON"]
 
 log = logging.getLogger("prefixlb.router.proxy")
@@ -76,23 +76,13 @@ NOT_HEALTH = ("aborted", "draining", "unknown")
 DONE_EVENT = b"data: [DONE]\n\n"
 
 
-@dataclass(slots=True)
-class AccessRecord:
-    """What the access log says of a request: filled in by the proxy as the request goes."""
-
-    worker: str = "-"
-    reason: str = "-"
-    predicted_cached_tokens: int = 0
-    ttfb_s: float | None = None
-    attempts: int = 0
-    booking: Any = None  # the attempt that answered: its usage, once read
-
-
 @dataclass(kw_only=True, slots=True)
 class ProxyRequest:
     """A validated request, ready to route: ``body`` is what the worker gets (``headers`` too),
     ``client_wants_usage`` whether the client asked for the usage chunk the router always asks
-    for, ``exclude`` the workers that cannot serve its model."""
+    for, ``exclude`` the workers that cannot serve its model. The fields after
+    ``response_headers`` are what the access log says of it, filled in by the proxy as the
+    request goes (here, not in a record of their own: one object a request less)."""
 
     path: str
     body: bytes
@@ -104,7 +94,12 @@ class ProxyRequest:
     exclude: frozenset[str] = frozenset()
     request_id: str = ""
     response_headers: Mapping[str, str] = field(default_factory=dict)  # added to the answer (a virtual model's)
-    access: AccessRecord = field(default_factory=AccessRecord)
+    worker: str = "-"
+    reason: str = "-"
+    predicted_cached_tokens: int = 0
+    ttfb_s: float | None = None
+    attempts: int = 0
+    booking: BookedAttempt | None = None  # the attempt that answered: its usage, once read
 
 
 class _Failed(Exception):
@@ -293,16 +288,15 @@ class Proxy:
                 # Leaving this block (an answer, a failure, a client disconnect, a bug) releases the booking.
                 with book(self.balancer, self.metrics, decision, preq.prompt) as booking:
                     self.metrics.count_request(worker_id, decision.reason)
-                    preq.access.attempts = attempts
+                    preq.attempts = attempts
                     try:
                         upstream, first = await self._send(worker_id, url, preq)
                     except _Failed as exc:
                         failure = exc
                     else:
-                        access = preq.access
-                        access.worker, access.reason = worker_id, decision.reason
-                        access.predicted_cached_tokens = decision.predicted_cached_tokens
-                        access.ttfb_s, access.booking = loop.time() - arrived, booking
+                        preq.worker, preq.reason = worker_id, decision.reason
+                        preq.predicted_cached_tokens = decision.predicted_cached_tokens
+                        preq.ttfb_s, preq.booking = loop.time() - arrived, booking
                         if preq.stream and upstream.status == 200:
                             return await self._stream(request, preq, booking, upstream, first)
                         response = self._complete(request, booking, upstream, first, preq.request_id,

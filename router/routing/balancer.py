@@ -54,7 +54,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import AbstractSet, Mapping
+from typing import AbstractSet, Mapping, TypeVar
 
 from protocol import DEFAULT_CHUNK_SIZE, KVEvent, LoadReport
 from protocol.messages import KV_CLEARED, KV_REMOVED, KV_STORED
@@ -112,6 +112,9 @@ class Booking:
     adapter_tier: str = ""  # a LoRA request: where its adapter was on the worker (gpu, cpu, disk)
 
 
+B = TypeVar("B", bound=Booking)
+
+
 class Balancer:
     """Decides where each request goes and keeps the books. No I/O; ``now`` is passed in."""
 
@@ -134,7 +137,7 @@ class Balancer:
         self._ratios: dict[str, float] = {}
         self._sequence = itertools.count()
         self._rr_order: tuple[str, ...] = ()
-        self._routable: frozenset[str] = frozenset()  # the ring's members, for membership tests
+        self.routable_ids: frozenset[str] = frozenset()  # the ring's members (for membership tests, len)
         self._event_sources: set[str] = set()
         self._miss_streak: dict[str, int] = {}
         self._last_seq: dict[str, int] = {}
@@ -157,8 +160,8 @@ class Balancer:
         else:
             self.ring.remove(worker_id)
         self.board.set_routable(worker_id, routable)
-        self._routable = self.ring.members
-        self._rr_order = tuple(sorted(self._routable))
+        self.routable_ids = self.ring.members
+        self._rr_order = tuple(sorted(self.routable_ids))
 
     def remove_worker(self, worker_id: str) -> None:
         """Forget a worker entirely: ring, load, and every index entry it had."""
@@ -170,8 +173,8 @@ class Balancer:
         self._miss_streak.pop(worker_id, None)
         self._event_sources.discard(worker_id)
         self._last_seq.pop(worker_id, None)
-        self._routable = self.ring.members
-        self._rr_order = tuple(sorted(self._routable))
+        self.routable_ids = self.ring.members
+        self._rr_order = tuple(sorted(self.routable_ids))
 
     def routable(self) -> list[str]:
         """The workers new requests may go to."""
@@ -261,7 +264,7 @@ class Balancer:
         """
         cfg = config or self.config
         ring = self.ring
-        routable = self._routable
+        routable = self.routable_ids
         if exclude:
             successors = [w for w in ring.successors(prompt.ring_key, cfg.ring_candidates + len(exclude))
                           if w not in exclude][:cfg.ring_candidates]
@@ -323,13 +326,13 @@ class Balancer:
         adapter = prompt.adapter if cfg.adapter_routing else None
         hot = hotloop.hot
         if (hot is not None and not adapter and not exclude and not prompt.known_cached and not len(self.cpu_index)
-                and (type(matches) is dict or type(matches) is _DepthLookup) and len(self.ring)):
+                and (type(matches) is dict or type(matches) is _DepthLookup) and self.routable_ids):
             # The common request, this method and candidate_ids compiled whole (router/routing/_hotloop.c);
             # NotImplemented for a value it was not written for, and then the Python below runs.
             points, owners = self.ring.compiled_view()
             heap, loads = self.board.heap_view()
-            built = hot.candidate_set(matches, type(matches) is _DepthLookup, self._routable, points, owners,
-                                      prompt.ring_key, min(cfg.ring_candidates, len(self.ring)), heap, loads,
+            built = hot.candidate_set(matches, type(matches) is _DepthLookup, self.routable_ids, points, owners,
+                                      prompt.ring_key, min(cfg.ring_candidates, len(self.routable_ids)), heap, loads,
                                       cfg.load_candidates, self.chunk_size * self.tokens_per_byte(prompt.ratio_key),
                                       prompt_tokens - 1, now)
             if built is not NotImplemented:
@@ -396,8 +399,11 @@ class Balancer:
         return out
 
     # -- bookkeeping -------------------------------------------------------------------------
-    def dispatch(self, decision: Decision, prompt: PromptKey, now: float) -> Booking:
+    def dispatch(self, decision: Decision, prompt: PromptKey, now: float,
+                 booking_type: type[B] = Booking) -> B:  # type: ignore[assignment]
         """Record that ``decision`` was acted on: optimistic index insert and in-flight work.
+        Returns the :class:`Booking` (of ``booking_type``: a subclass, whose added fields have
+        defaults, for a caller that keeps more with it).
 
         Only the part of the chain the worker does not already hold is inserted: the matched
         prefix was made most recently used by the lookup itself.
@@ -411,7 +417,7 @@ class Balancer:
         ticket = self.board.dispatch(worker_id, prefill, now)
         pending = self.precise.dispatched(worker_id, prompt.tokens, now) if prompt.tokens is not None else None
         tier = self.adapters.dispatched(worker_id, prompt.adapter, self.board, now) if prompt.adapter else ""
-        return Booking(decision, prompt, ticket, pending, tier)
+        return booking_type(decision, prompt, ticket, pending, tier)
 
     def first_byte(self, booking: Booking, now: float) -> None:
         """The worker started answering: the request's prefill is done."""

@@ -9,7 +9,7 @@ one chunk -- a hash of the whole rendering.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import xxhash
@@ -34,11 +34,12 @@ class PromptKey:
     tokens: PromptTokens | None = None  # the backend tokenizer's ids, where the router has one
     known_cached: dict[str, int] | None = None  # exact cached tokens of precise backends (set by decide)
     adapter: str | None = None  # the LoRA adapter: ``lora_adapter``, or a ``model`` workers report as one
+    # The key tokens-per-byte is learned under: the model, and the endpoint (read four times a
+    # request: kept, not a property).
+    ratio_key: str = field(init=False, default="")
 
-    @property
-    def ratio_key(self) -> str:
-        """The key tokens-per-byte is learned under: the model, and the endpoint."""
-        return self.model + " (chat)" if self.chat else self.model
+    def __post_init__(self) -> None:
+        self.ratio_key = self.model + " (chat)" if self.chat else self.model
 
 
 def session_key_of(headers: Mapping[str, str], body: Mapping[str, Any],

@@ -47,7 +47,7 @@ class CacheAware(Policy):
         # The fair share of requests in flight: bounded-load consistent hashing's bound, taken
         # as if every worker held at least one request -- at light load a worker holding
         # one more request than the others is not overloaded.
-        workers = len(view.ring)
+        workers = len(view.routable_ids)
         request.load_bound = hash_load_bound(max(view.board.total_in_system, workers - 1), workers,
                                              config.hash_load_factor)
         return view.candidate_set(prompt, matches, request.prompt_tokens, now, exclude, config)
@@ -157,12 +157,15 @@ def _decision(request: RouteRequest, candidates: Sequence[Candidate], chosen: Ca
     """The decision for ``chosen`` among ``near`` near-ties, with its reason."""
     # The ring decided if it broke a tie, or if the request simply went to the key's owner.
     by_ring = chosen.ring_rank != NOT_ON_RING and (near > 1 or chosen.ring_rank == 0)
-    if weight > 0 and chosen.cached_tokens > 0:
-        reason = "prefix"
-    elif weight > 0 and any(c.cached_tokens > 0 for c in candidates):
-        reason = "spill"
-    elif by_ring:
-        reason = "session" if request.session else "ring"
-    else:
-        reason = "least_load"
+    reason = ""
+    if weight > 0:
+        if chosen.cached_tokens > 0:
+            reason = "prefix"
+        else:  # (a loop, not any() over a generator: this runs for every request)
+            for c in candidates:
+                if c.cached_tokens > 0:
+                    reason = "spill"
+                    break
+    if not reason:
+        reason = ("session" if request.session else "ring") if by_ring else "least_load"
     return decision_for(request, chosen, reason, cost, costs)

@@ -28,7 +28,7 @@ class ConsistentHash(Policy):
     def candidates(self, view: Balancer, request: RouteRequest, prompt: PromptKey, matches: Mapping[str, int],
                    now: float, exclude: AbstractSet[str], config: PolicyConfig) -> list[Candidate]:
         """The ring from the key's owner up to the first worker under the bound (in ring order)."""
-        bound = request.load_bound = hash_load_bound(view.board.total_in_system, len(view.ring),
+        bound = request.load_bound = hash_load_bound(view.board.total_in_system, len(view.routable_ids),
                                                      config.hash_load_factor)
         out: list[Candidate] = []
         for worker_id in view.ring.walk(prompt.ring_key):
