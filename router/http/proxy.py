@@ -390,7 +390,11 @@ class Proxy:
     def _headers(self, booking: BookedAttempt, upstream: aiohttp.ClientResponse,
                  request_id: str = "", extra: Mapping[str, str] | None = None) -> dict[str, str]:
         given = upstream.headers
-        headers = {name: value for name in PASS_BACK if (value := given.get(name)) is not None}
+        headers = {}
+        for name in PASS_BACK:  # (a loop: a comprehension is a function call of its own)
+            value = given.get(name)
+            if value is not None:
+                headers[name] = value
         if extra:
             headers.update(extra)
         if request_id:

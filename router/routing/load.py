@@ -382,7 +382,8 @@ class LoadBoard:
         """The request ended (completed, failed or cancelled)."""
         if ticket.finished:
             return
-        self.prefilled(ticket, now)
+        if not ticket.prefilled:  # (usually it was, at its first byte)
+            self.prefilled(ticket, now)
         ticket.finished = True
         w = self._workers.get(ticket.worker_id)
         if w is not None:
