@@ -9,7 +9,10 @@
  *   a str, a newline to refuse, non-ASCII, an item that is not an exact 2-tuple, a mapping whose
  *   truth or len() is not what its items say), and then the Python function runs.
  *
- * Both only ever answer what the Python code would answer, or decline; tests/unit/test_wire.py
+ * chunks(data, pos): the data of the plain complete chunks of a chunked body from ``pos`` on,
+ *   joined, and where they end (see the function).
+ *
+ * All only ever answer what the Python code would answer, or decline (leave the rest to it); tests/unit/test_wire.py
  * compares them on random inputs.
  */
 #define PY_SSIZE_T_CLEAN
@@ -146,9 +149,88 @@ decline:
     Py_RETURN_NOTIMPLEMENTED;
 }
 
+
+/* chunks(data, pos) -> (payload, end): the data of the plain, complete chunks of a chunked body
+ * that start at ``pos`` of ``data`` (bytes), joined, and where the first chunk it does not take
+ * starts. A plain chunk is a size line of hex digits only (no extension, blank, sign or ``0x``:
+ * what upstream.py's parser reads as int(line, 16) whatever it strips), CRLF, then that many
+ * bytes and CRLF, all in ``data``. It stops at the last chunk (size 0), at anything else (an
+ * extension, a malformed line: upstream.py's parser answers or raises for it), and at a chunk not
+ * all in yet; upstream.py parses from ``end`` on. The bytes pushed are those the parser would
+ * push chunk by chunk, joined. */
+static PyObject *wire_chunks(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyBytes_CheckExact(args[0]) || !PyLong_CheckExact(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "chunks(data: bytes, pos: int)");
+        return NULL;
+    }
+    const char *s = PyBytes_AS_STRING(args[0]);
+    Py_ssize_t n = PyBytes_GET_SIZE(args[0]);
+    Py_ssize_t pos = PyLong_AsSsize_t(args[1]);
+    if (pos == -1 && PyErr_Occurred()) return NULL;
+    if (pos < 0 || pos > n) {
+        PyErr_SetString(PyExc_ValueError, "pos out of range");
+        return NULL;
+    }
+    Py_ssize_t start = pos, total = 0, first_at = -1, first_len = 0, count = 0;
+    /* first pass: where the plain chunks end, and their data's total length */
+    while (pos < n) {
+        Py_ssize_t p = pos;
+        unsigned long long size = 0;
+        int digits = 0;
+        while (p < n && digits <= 15) {
+            unsigned char c = (unsigned char)s[p];
+            int v = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10
+                    : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+            if (v < 0) break;
+            size = size * 16 + (unsigned long long)v;
+            digits++;
+            p++;
+        }
+        if (digits == 0 || digits > 15 || size == 0) break;
+        if (p + 1 >= n || s[p] != '\r' || s[p + 1] != '\n') break;
+        p += 2;
+        if ((unsigned long long)(n - p) < size + 2) break;  /* not all in yet */
+        if (s[p + size] != '\r' || s[p + size + 1] != '\n') break;
+        if (count++ == 0) {
+            first_at = p;
+            first_len = (Py_ssize_t)size;
+        }
+        total += (Py_ssize_t)size;
+        pos = p + (Py_ssize_t)size + 2;
+    }
+    PyObject *payload;
+    if (count == 0) {
+        payload = PyBytes_FromStringAndSize(NULL, 0);
+    } else if (count == 1) {
+        payload = PyBytes_FromStringAndSize(s + first_at, first_len);
+    } else {
+        payload = PyBytes_FromStringAndSize(NULL, total);
+        if (payload != NULL) {
+            char *out = PyBytes_AS_STRING(payload);
+            Py_ssize_t p = start;
+            while (p < pos) {  /* the same chunks again, known good */
+                unsigned long long size = 0;
+                while (s[p] != '\r') {
+                    unsigned char c = (unsigned char)s[p++];
+                    size = size * 16 + (unsigned long long)(c <= '9' ? c - '0' : (c | 0x20) - 'a' + 10);
+                }
+                p += 2;
+                memcpy(out, s + p, (size_t)size);
+                out += size;
+                p += (Py_ssize_t)size + 2;
+            }
+        }
+    }
+    if (payload == NULL) return NULL;
+    PyObject *result = Py_BuildValue("(Nn)", payload, pos);
+    return result;
+}
+
 static PyMethodDef wire_methods[] = {
     {"header_pairs", wire_header_pairs, METH_O,
      "header_pairs(block): the (name, value) pairs of plain ASCII header lines, or None (see the source)."},
+    {"chunks", (PyCFunction)(void (*)(void))wire_chunks, METH_FASTCALL,
+     "chunks(data, pos): (the plain complete chunks' data from pos on, joined; where they end) (see the source)."},
     {"header_lines", wire_header_lines, METH_O,
      "header_lines(headers): 'name: value\\r\\n' of each item, or NotImplemented (see the source)."},
     {NULL, NULL, 0, NULL},

@@ -194,10 +194,27 @@ class UpstreamResponse:
                 self._remaining -= len(data)
                 if self._remaining == 0:
                     self._state = _DONE if state == _LENGTH else _CHUNK_CRLF
+        elif state == _CHUNK_SIZE and not self._buf and wire is not None:
+            self._feed_chunks(data, 0)  # a stream's next event(s): whole chunks, the usual case
         else:
             self._buf += data
             self._parse_or_fail()
         self._wake()
+
+    def _feed_chunks(self, data: bytes, pos: int) -> None:
+        """``data[pos:]``, at a chunk's size line with nothing buffered: its plain whole chunks
+        taken in one compiled call (``_wire.chunks``: the data :meth:`_parse` would push, joined),
+        the rest (a partial chunk, the last one, anything unusual) left to :meth:`_parse`."""
+        if type(data) is not bytes:  # (a transport that hands over another buffer type)
+            self._buf += memoryview(data)[pos:]
+            self._parse_or_fail()
+            return
+        payload, end = wire.chunks(data, pos)
+        if payload:
+            self._push(payload)
+        if end < len(data):
+            self._buf += memoryview(data)[end:]
+            self._parse_or_fail()
 
     def _feed_head(self, data: bytes) -> None:
         """The answer's first bytes: its head and, when they came with it (the usual case of a
@@ -223,6 +240,10 @@ class UpstreamResponse:
                 self._remaining -= rest
                 if self._remaining == 0:
                     self._state = _DONE
+            elif state == _CHUNK_SIZE and wire is not None:
+                self._feed_chunks(data, end + 4)  # a stream's head with its first event(s)
+                self._wake()
+                return
             else:
                 self._buf += memoryview(data)[end + 4:]
         if self._buf:

@@ -174,10 +174,9 @@ class FastStream:
     async def write_eof(self, data: bytes = b"") -> None:
         if self._eof:
             return
-        if data:
-            await self.write(data)
         self._eof = True
-        self._write(b"0\r\n\r\n")
+        # the last bytes and the end in one write (one segment, one system call)
+        self._write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data) if data else b"0\r\n\r\n")
         if self._protocol.paused:  # type: ignore[union-attr]
             await self._protocol.drain()  # type: ignore[union-attr]
 

@@ -432,20 +432,21 @@ class Proxy:
                 out = tap.feed(first)
             except EventTooLarge as exc:
                 out, failure = b"", _Failed("oversized", str(exc))
-            if out:
-                await response.write(out)
             if failure is None and not tap.done:
-                failure = await self._pass_through(response, upstream, tap, worker_id)
+                if out:
+                    await response.write(out)
+                failure, out = await self._pass_through(response, upstream, tap, worker_id)
+            # ``out``: the stream's last events, written with its end (one write, not two)
             if failure is None:
-                tail = tap.flush()
-                if tail:
-                    await response.write(tail)
+                out += tap.flush()
                 if not tap.done:
                     failure = _Failed("truncated", "the worker ended the stream without [DONE]")
             if failure is None:
                 completed = True
                 self.registry.request_ok(worker_id, time.time())
             else:
+                if out:
+                    await response.write(out)
                 # Committed: the client gets a clean error event instead of a truncated success.
                 if self.closing and failure.kind == "aborted":
                     event = error_body("The router is shutting down; the response is incomplete",
@@ -454,8 +455,8 @@ class Proxy:
                     self._stream_failed(worker_id, failure)
                     event = error_body(f"The worker failed mid-stream ({failure.kind}); the response is incomplete",
                                        SERVER_ERROR, None, "upstream_failed")
-                await response.write(b"data: " + json.dumps(event).encode() + b"\n\n" + DONE_EVENT)
-            await response.write_eof()
+                out = b"data: " + json.dumps(event).encode() + b"\n\n" + DONE_EVENT
+            await response.write_eof(out)
             return response
         except (ConnectionResetError, asyncio.CancelledError):
             self.metrics.client_disconnects.inc()
@@ -468,8 +469,10 @@ class Proxy:
             booking.usage = tap.usage
 
     async def _pass_through(self, response: web.StreamResponse, upstream: aiohttp.ClientResponse,
-                            tap: UsageTap, worker_id: str) -> _Failed | None:
-        """Forward upstream events until the stream ends; the worker failure that ended it, if any.
+                            tap: UsageTap, worker_id: str) -> tuple[_Failed | None, bytes]:
+        """Forward upstream events until the stream ends: the worker failure that ended it, if
+        any, and the events of the read that ended it at ``data: [DONE]``, not written yet (the
+        caller writes them with the answer's end).
 
         Only upstream reads are worker failures; a failed write to the client propagates.
         """
@@ -481,23 +484,23 @@ class Proxy:
                     try:
                         chunk = await content.readany()
                     except TimeoutError as exc:  # before ClientError: aiohttp's read timeout is both
-                        return _Failed("timeout", f"no data for too long: {exc!r}")
+                        return _Failed("timeout", f"no data for too long: {exc!r}"), b""
                     except (aiohttp.ClientError, OSError) as exc:
-                        return _Failed("mid_stream", f"{type(exc).__name__}: {exc}")
+                        return _Failed("mid_stream", f"{type(exc).__name__}: {exc}"), b""
                     if not chunk:
-                        return None
+                        return None, b""
                     try:
                         out = tap.feed(chunk)
                     except EventTooLarge as exc:
-                        return _Failed("oversized", str(exc))
+                        return _Failed("oversized", str(exc)), b""
+                    if tap.done:  # the stream is over at [DONE], whether or not the body is
+                        return None, out
                     if out:
                         await response.write(out)
-                    if tap.done:  # the stream is over at [DONE], whether or not the body is
-                        return None
         except TimeoutError:
             if not guard.expired():
                 raise
-            return _Failed("aborted", "the worker was taken out of rotation")
+            return _Failed("aborted", "the worker was taken out of rotation"), b""
 
     def _stream_failed(self, worker_id: str, failure: _Failed) -> None:
         self.metrics.upstream_errors.labels(worker_id, failure.kind).inc()

@@ -28,20 +28,27 @@ class EventTooLarge(ValueError):
 
 def _split_events(buffer: bytes, scan_from: int = 0) -> tuple[list[bytes], bytes]:
     """Complete events (each with its terminating blank line) and the incomplete rest; the first
-    separator is searched for from ``scan_from`` on (the part before was scanned already)."""
+    separator is searched for from ``scan_from`` on (the part before was scanned already).
+
+    Each separator's next place is kept until an event ends past it, so the buffer is scanned
+    once whatever the number of events in it (a read that holds many token events would
+    otherwise be rescanned to its end for a separator it does not hold, once an event)."""
     events: list[bytes] = []
     start = 0
-    while True:
-        best = -1
-        sep_len = 0
-        for sep in _SEPARATORS:
-            i = buffer.find(sep, max(start, scan_from))
-            if i != -1 and (best == -1 or i < best):
-                best, sep_len = i, len(sep)
-        if best == -1:
-            return events, buffer[start:]
-        events.append(buffer[start:best + sep_len])
-        start = best + sep_len
+    lf = buffer.find(b"\n\n", scan_from)
+    crlf = buffer.find(b"\r\n\r\n", scan_from)
+    while lf >= 0 or crlf >= 0:
+        if crlf < 0 or 0 <= lf < crlf:
+            end = lf + 2
+        else:
+            end = crlf + 4
+        events.append(buffer[start:end])
+        start = end
+        if 0 <= lf < start:
+            lf = buffer.find(b"\n\n", start)
+        if 0 <= crlf < start:
+            crlf = buffer.find(b"\r\n\r\n", start)
+    return events, buffer[start:]
 
 
 def _data_json(event: bytes) -> Any:
@@ -59,6 +66,22 @@ def _data_json(event: bytes) -> Any:
 
 def _is_done(event: bytes) -> bool:
     return any(line.startswith(b"data:") and line[5:].strip() == b"[DONE]" for line in event.splitlines())
+
+
+def _plain_events(buffer: bytes) -> tuple[int, int] | None:
+    """``(end, count)`` when ``buffer[:end]`` is ``count`` complete events that :meth:`UsageTap.feed`
+    forwards as they are and ``buffer[end:]`` the tail it keeps, found with a few scans in C
+    instead of an event at a time: no ``\\r`` (the only separator is a blank line ``\\n\\n``), no
+    ``[DONE]``, every ``"usage"`` a ``"usage":null`` (or ``"usage": null``), and the last
+    separator not in a longer run of newlines (whose pairing decides where the tail starts). None
+    otherwise: no complete event, or one of those to look at event by event."""
+    last = buffer.rfind(b"\n\n")
+    if last < 0 or (last and buffer[last - 1] == 0x0A) or b"\r" in buffer or b"[DONE]" in buffer:
+        return None
+    usage = buffer.count(b'"usage"')
+    if usage and usage != buffer.count(b'"usage":null') + buffer.count(b'"usage": null'):
+        return None
+    return last + 2, buffer.count(b"\n\n")
 
 
 def strip_usage(body: dict[str, Any]) -> None:
@@ -80,6 +103,15 @@ class UsageTap:
         """Bytes to send to the client now (complete events only, usage removed if stripping)."""
         held = len(self._tail)
         buffer = self._tail + chunk if held else chunk
+        if not self.done:
+            passed = _plain_events(buffer)
+            if passed:
+                end, count = passed
+                self._tail = buffer[end:]
+                if len(self._tail) > MAX_EVENT_BYTES:
+                    raise EventTooLarge(f"an SSE event of more than {MAX_EVENT_BYTES} bytes")
+                self.events += count
+                return buffer if end == len(buffer) else buffer[:end]
         # a separator can straddle the old tail and the new chunk: rescan only its last 3 bytes
         events, self._tail = _split_events(buffer, max(0, held - 3))
         if len(self._tail) > MAX_EVENT_BYTES:

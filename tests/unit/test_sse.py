@@ -51,3 +51,71 @@ def test_token_chunks_with_a_null_usage_are_forwarded_without_being_decoded(monk
     final = b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}\n\n'
     assert tap.feed(final) == b""  # the usage-only chunk the client did not ask for
     assert tap.usage == {"prompt_tokens": 3, "completion_tokens": 2}
+
+
+def _naive_split(buffer: bytes, scan_from: int = 0) -> tuple[list[bytes], bytes]:
+    """The separators searched for anew after every event (what _split_events finds, slowly)."""
+    events, start = [], 0
+    while True:
+        found = [(i, len(sep)) for sep in (b"\n\n", b"\r\n\r\n") if (i := buffer.find(sep, max(start, scan_from))) >= 0]
+        if not found:
+            return events, buffer[start:]
+        i, n = min(found)
+        events.append(buffer[start:i + n])
+        start = i + n
+
+
+PIECES = [b"\n", b"\n\n", b"\r\n", b"\r\n\r\n", b"\r", b"data: ", b'{"a":1}', b"[DONE]", b'"usage":null',
+          b'"usage": null', b'"usage":{"prompt_tokens":2}', b'{"choices":[],"usage":{"prompt_tokens":4}}',
+          b'{"choices":[{"text":"x"}],"usage":{"prompt_tokens":5}}', b"x", b'"usage"']
+
+
+def test_split_events_finds_what_a_search_after_every_event_finds() -> None:
+    import random
+
+    from router.http.sse import _split_events
+
+    rng = random.Random(1)
+    for _ in range(20_000):
+        buffer = b"".join(rng.choice(PIECES) for _ in range(rng.randrange(0, 12)))
+        scan_from = rng.randrange(0, len(buffer) + 1)
+        assert _split_events(buffer, scan_from) == _naive_split(buffer, scan_from), (buffer, scan_from)
+
+
+def _tap_run(reads: list[bytes], strip: bool, fast: bool, monkeypatch) -> list:
+    import router.http.sse as sse
+
+    if not fast:
+        monkeypatch.setattr(sse, "_plain_events", lambda buffer: None)
+    tap = UsageTap(strip=strip)
+    out: list = []
+    try:
+        for data in reads:
+            out.append(tap.feed(data))
+        out.append(tap.flush())
+    except EventTooLarge:
+        out.append("too large")
+    monkeypatch.undo()
+    return [*out, tap.usage, tap.done, tap.events]
+
+
+def test_whole_reads_of_plain_events_pass_as_event_by_event(monkeypatch) -> None:
+    """A read of token events forwarded in one piece (``_plain_events``) gives the client the same
+    bytes, usage, end and event count as the event-by-event loop, on random streams cut at
+    random places (usage chunks, ``[DONE]``, CRLF separators, runs of newlines among them)."""
+    import random
+
+    from router.http.sse import _plain_events
+
+    rng = random.Random(2)
+    token = b'data: {"id":"c","choices":[{"text":"t"}],"usage":null}\n\n'
+    fast_reads = 0
+    for _ in range(5_000):
+        stream = b"".join(rng.choice([token] * 6 + [p + rng.choice([b"\n\n", b""]) for p in PIECES])
+                          for _ in range(rng.randrange(0, 10)))
+        cuts = sorted(rng.sample(range(1, len(stream)), min(len(stream) - 1, rng.randrange(0, 5)))) if stream else []
+        reads = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)])]
+        strip = rng.random() < 0.5
+        assert _tap_run(reads, strip, True, monkeypatch) == _tap_run(reads, strip, False, monkeypatch), reads
+        fast_reads += sum(1 for r in reads if _plain_events(r))
+    assert fast_reads > 1_000  # the random streams reach the one-piece path often

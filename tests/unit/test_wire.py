@@ -158,3 +158,81 @@ def test_header_lines_of_unusual_mappings_are_the_python_answer_or_error(headers
     if compiled is not NotImplemented:
         assert compiled == _outcome(_python_lines, headers)
     assert _outcome(upstream.header_lines, headers) == _outcome(_python_lines, headers)
+
+
+class _Conn:
+    """What an UpstreamResponse touches of its connection while it parses."""
+
+    transport = None
+    lost = False
+
+    def close(self) -> None:
+        self.lost = True
+
+
+def _chunk_line(rng: random.Random, size: int) -> bytes:
+    text = rng.choice([f"{size:x}", f"{size:X}", f"{size:04x}", f"{size:x};ext=1", f" {size:x}", f"{size:x} ",
+                       f"+{size:x}", f"0x{size:x}", f"{size:x}" if size else "", "zz", f"1_{size:x}",
+                       "1" * 17] if rng.random() < 0.15 else [f"{size:x}"])
+    return text.encode()
+
+
+def _chunked_body(rng: random.Random) -> bytes:
+    parts = []
+    for _ in range(rng.randrange(0, 6)):
+        size = rng.choice([1, 2, 5, 17, 200, rng.randrange(1, 70_000)])
+        data = bytes(rng.randrange(256) for _ in range(min(size, 64))) * (size // 64 + 1)
+        end = b"\r\n" if rng.random() < 0.95 else rng.choice([b"\n", b"xx", b"\r"])
+        parts.append(_chunk_line(rng, size) + b"\r\n" + data[:size] + end)
+    if rng.random() < 0.9:
+        parts.append(b"0\r\n" + rng.choice([b"", b"X-Trailer: 1\r\n"]) + b"\r\n" + rng.choice([b"", b"", b"extra"]))
+    return b"".join(parts)
+
+
+def _reads(rng: random.Random, data: bytes) -> list[bytes]:
+    cuts = sorted(rng.sample(range(1, len(data)), min(len(data) - 1, rng.randrange(0, 6)))) if len(data) > 1 else []
+    return [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)])]
+
+
+async def _fed(reads: list[bytes], compiled: bool):
+    saved = upstream.wire
+    upstream.wire = saved if compiled else None
+    try:
+        r = UpstreamResponse(_Conn(), None, ("h", 1), None)  # type: ignore[arg-type]
+        for data in reads:
+            r._feed(data)
+        exc = r._exc
+        return (b"".join(r._chunks), r._buffered, r._state, r._remaining, bytes(r._buf), r._keep_alive,
+                None if exc is None else (type(exc), str(exc)), r._conn.lost)
+    finally:
+        upstream.wire = saved
+
+
+def test_a_chunked_answer_parses_alike_with_and_without_the_compiled_chunks() -> None:
+    """Random chunked bodies (plain chunks, extensions, odd size lines, bad chunk ends, trailers,
+    bytes after the end), cut into random reads, after a head alone or with the body's start:
+    the same data, state and failure either way."""
+    import asyncio
+
+    async def run() -> int:
+        rng = random.Random(5)
+        compiled_reads = 0
+        for _ in range(3_000):
+            body = _chunked_body(rng)
+            head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+            reads = _reads(rng, head + body) if rng.random() < 0.5 else [head, *_reads(rng, body)]
+            assert await _fed(reads, True) == await _fed(reads, False), reads
+            compiled_reads += len(reads)
+        return compiled_reads
+
+    assert asyncio.run(run()) > 5_000
+
+
+def test_chunks_takes_only_plain_whole_chunks() -> None:
+    assert wire.chunks(b"5\r\nhello\r\n3\r\nabc\r\n0\r\n\r\n", 0) == (b"helloabc", 18)
+    assert wire.chunks(b"xx5\r\nhello\r\n3\r\nab", 2) == (b"hello", 12)  # the partial chunk is left
+    assert wire.chunks(b"5;x\r\nhello\r\n", 0) == (b"", 0)
+    assert wire.chunks(b"A\r\n0123456789\r\n", 0) == (b"0123456789", 15)
+    assert wire.chunks(b"1\r\nab\r\n", 0) == (b"", 0)  # no CRLF after the data: the parser's error
+    with pytest.raises(ValueError):
+        wire.chunks(b"", 1)
