@@ -3,6 +3,7 @@
     python -m bench.router_overhead                # about a minute
     python -m bench.router_overhead --quick
     python -m bench.router_overhead --peers        # beside sglang-router and vllm-router, 4 workers
+    python -m bench.router_overhead --peers --streaming   # CPU per streamed request and SSE event
 
 ``--peers`` is ``bench/peers/overhead.py``: prefixlb, sglang-router 0.3.2, vllm-router 0.1.17 and the
 floor of a Python router (``bench/peers/floor.py``)
@@ -48,6 +49,8 @@ from aiohttp import web
 from bench.peers.launch import DEFAULT_VENV
 from bench.peers.overhead import ROUTERS
 from bench.peers.overhead import measure as peers_overhead
+from bench.peers.overhead import measure_streaming as peers_streaming
+from bench.peers.overhead import report_streaming as peers_streaming_report
 from bench.peers.overhead import report as peers_report
 from bench.peers.overhead import timed_completion
 from bench.stats import percentile
@@ -213,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=None,
                         help="--peers: sequential requests per target and round (closed loop: 20x)")
     parser.add_argument("--policy", default="cache_aware", help="--peers: every router's policy")
+    parser.add_argument("--streaming", action="store_true",
+                        help="--peers: instead, router CPU per streamed request (64 tokens) and per SSE event, "
+                             "in front of workers that send an event every ~1.5 ms (at most 16 streams at once)")
     parser.add_argument("--peers-venv", type=Path, default=DEFAULT_VENV, help="--peers: where install.sh put them")
     parser.add_argument("--baseline", type=Path, default=None,
                         help="--peers: another checkout of prefixlb (e.g. `git archive <commit> | tar -x -C /tmp/base`) "
@@ -262,6 +268,14 @@ def _peers(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"--routers: unknown {', '.join(sorted(unknown))} (known: {', '.join(ROUTERS)})")
     n_seq = args.requests or (50 if args.quick else 150)
+    if args.streaming:
+        streamed = peers_streaming(routers, workers=args.workers, rounds=args.rounds, n=2 * n_seq,
+                                   concurrency=min(16, args.concurrency), policy=args.policy,
+                                   venv=args.peers_venv, baseline=args.baseline)
+        print(peers_streaming_report(streamed))
+        if args.json:
+            print(json.dumps(streamed, indent=2))
+        return 0
     result = peers_overhead(routers, workers=args.workers, rounds=args.rounds, n_seq=n_seq, n_load=20 * n_seq,
                             concurrency=args.concurrency, policy=args.policy, venv=args.peers_venv,
                             baseline=args.baseline)

@@ -135,10 +135,10 @@ async def closed_loop(target: Target, n: int, concurrency: int) -> None:
 
 
 def start(c: Cluster, routers: Sequence[str], workers: int, policy: str, venv: Path,
-          baseline: Path | None = None) -> list[Target]:
+          baseline: Path | None = None, time_scale: float = 1000) -> list[Target]:
     """The workers, then each router in front of them; [direct, *routers] as targets
     (``baseline``: a checkout of prefixlb whose router runs too, as ``prefixlb@baseline``)."""
-    fleet = c.workers(workers, time_scale=1000)
+    fleet = c.workers(workers, time_scale=time_scale)
     targets = [Target("direct", [w.url for w in fleet])]
     for name in [*routers, *(["prefixlb@baseline"] if baseline else [])]:
         if name == FLOOR:
@@ -165,6 +165,80 @@ def measure(routers: Sequence[str] = ROUTERS, workers: int = 4, rounds: int = 3,
             for t in order:
                 asyncio.run(closed_loop(t, n_load, concurrency))
     return summarize(targets, concurrency, rounds)
+
+
+STREAM_TIME_SCALE = 20  # the streaming fleet: a decode step of ~1.5 ms, so a stream's events arrive one by one
+
+
+async def streamed(http: aiohttp.ClientSession, url: str, i: int, tokens: int) -> int:
+    """One streaming completion of ``tokens`` tokens read to its end; the SSE data events it held."""
+    body = {**body_for(i, True), "max_tokens": tokens, "ignore_eos": True}
+    events = 0
+    async with http.post(url + "/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{url}: HTTP {resp.status}: {await resp.text()}")
+        async for line in resp.content:
+            if line.startswith(b"data: {"):
+                events += 1
+    return events
+
+
+async def stream_loop(target: Target, n: int, concurrency: int, tokens: int) -> tuple[float, float, float]:
+    """``n`` streaming requests of ``tokens`` tokens by ``concurrency`` clients: (router CPU µs per
+    request, per SSE event; SSE events per request)."""
+    remaining = concurrency
+    events = 0
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as http:
+        async def client() -> None:
+            nonlocal remaining, events
+            while remaining > 0:
+                remaining -= 1
+                got = await streamed(http, target.next_url(), remaining, tokens)
+                events += got  # (not ``events += await ...``: that reads ``events`` before the wait)
+
+        await asyncio.gather(*(client() for _ in range(concurrency)))  # warm-up
+        remaining, events = n, 0
+        cpu0 = group_cpu_seconds(target.pgid) if target.pgid else 0.0
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        cpu = group_cpu_seconds(target.pgid) - cpu0 if target.pgid else 0.0
+    return 1e6 * cpu / n, 1e6 * cpu / max(1, events), events / n
+
+
+def measure_streaming(routers: Sequence[str] = ROUTERS, workers: int = 4, rounds: int = 3, n: int = 300,
+                      concurrency: int = 16, tokens: int = 64, policy: str = "cache_aware",
+                      venv: Path = DEFAULT_VENV, baseline: Path | None = None) -> dict:
+    """Router CPU per streamed request and per SSE event (medians over rounds), in front of a fleet
+    whose streams send an event every ~1.5 ms (``STREAM_TIME_SCALE``), as a GPU's every ~30 ms."""
+    with tempfile.TemporaryDirectory(prefix="router-streaming-") as logs, cluster(logs) as c:
+        targets = start(c, routers, workers, policy, venv, baseline, time_scale=STREAM_TIME_SCALE)[1:]
+        per_request: dict[str, list[float]] = {t.name: [] for t in targets}
+        per_event: dict[str, list[float]] = {t.name: [] for t in targets}
+        events: dict[str, list[float]] = {t.name: [] for t in targets}
+        for r in range(rounds):
+            for t in targets[r % len(targets):] + targets[:r % len(targets)]:
+                req_us, event_us, count = asyncio.run(stream_loop(t, n, concurrency, tokens))
+                per_request[t.name].append(req_us)
+                per_event[t.name].append(event_us)
+                events[t.name].append(count)
+    return {"concurrency": concurrency, "tokens": tokens, "rounds": rounds,
+            "targets": {name: {"cpu_us_per_request": statistics.median(per_request[name]),
+                               "cpu_us_per_event": statistics.median(per_event[name]),
+                               "cpu_us_per_event_rounds": per_event[name],
+                               "events_per_request": statistics.median(events[name])} for name in per_request}}
+
+
+def report_streaming(result: dict) -> str:
+    """A markdown table of :func:`measure_streaming`'s result."""
+    rows = result["targets"]
+    lines = [f"# streaming: router CPU per request of {result['tokens']} tokens and per SSE event "
+             f"(concurrency {result['concurrency']}, {result['rounds']} rounds)",
+             "| target | CPU µs/request | CPU µs/event | events/request |", "|---|---|---|---|"]
+    lines += [f"| {name} | {r['cpu_us_per_request']:.0f} | {r['cpu_us_per_event']:.1f} "
+              f"| {r['events_per_request']:.0f} |" for name, r in rows.items()]
+    if "prefixlb" in rows and "sglang-router" in rows:
+        lines.append(f"prefixlb / sglang-router: CPU per event "
+                     f"{rows['prefixlb']['cpu_us_per_event'] / rows['sglang-router']['cpu_us_per_event']:.2f}x")
+    return "\n".join(lines)
 
 
 def summarize(targets: Sequence[Target], concurrency: int, rounds: int) -> dict:

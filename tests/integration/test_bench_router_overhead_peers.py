@@ -62,3 +62,19 @@ def test_peers_mode_measures_sglang_router_and_vllm_router_in_the_same_run():
     assert list(result["targets"]) == ["direct", "prefixlb", "sglang-router", "vllm-router", "python-floor"]
     for name in ("prefixlb", "sglang-router", "vllm-router", "python-floor"):
         _assert_measured(result["targets"][name])
+
+
+def test_streaming_peers_mode_counts_every_event_of_every_stream():
+    proc = subprocess.run([sys.executable, "-m", "bench.router_overhead", "--peers", "--streaming", "--rounds", "1",
+                           "--requests", "10", "--workers", "2", "--concurrency", "4", "--json",
+                           "--routers", "prefixlb,python-floor"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table, _, blob = proc.stdout.partition("\n{")
+    assert "| prefixlb |" in table and "| python-floor |" in table
+    result = json.loads("{" + blob)
+    assert list(result["targets"]) == ["prefixlb", "python-floor"]
+    for row in result["targets"].values():
+        assert row["events_per_request"] == 64  # every token's event, through each router, counted once
+        assert row["cpu_us_per_request"] >= 0 and row["cpu_us_per_event"] >= 0
+        assert len(row["cpu_us_per_event_rounds"]) == 1
