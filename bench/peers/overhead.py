@@ -27,7 +27,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Awaitable, Callable, Sequence
 
 import aiohttp
 
@@ -113,24 +113,37 @@ async def sequential(targets: Sequence[Target], n: int, stream: bool, warmup: in
                     (t.first_chunk if stream else t.unloaded).append(seconds)
 
 
-async def closed_loop(target: Target, n: int, concurrency: int) -> None:
-    """``n`` non-streaming requests by ``concurrency`` clients; CPU per request and req/s appended."""
-    remaining = min(n, 4 * concurrency)  # warm-up: the connection pools fill
+async def _closed_loop(target: Target, n: int, concurrency: int, warmup: int,
+                       request: Callable[[aiohttp.ClientSession, int], Awaitable[float]]) -> tuple[float, float, float]:
+    """``warmup`` calls of ``request(http, i)`` (the connection pools fill), then ``n`` more, by
+    ``concurrency`` clients: the router's CPU seconds (0 without a process group), the wall
+    seconds and the sum of what the ``n`` calls returned."""
+    remaining = warmup
+    total = 0.0
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as http:
         async def client() -> None:
-            nonlocal remaining
+            nonlocal remaining, total
             while remaining > 0:
                 remaining -= 1
-                await one(http, target, remaining, False)
+                got = await request(http, remaining)
+                total += got  # (not ``total += await ...``: that reads ``total`` before the wait)
 
         await asyncio.gather(*(client() for _ in range(concurrency)))
-        remaining = n
+        remaining, total = n, 0.0
         cpu0 = group_cpu_seconds(target.pgid) if target.pgid else 0.0
         t0 = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(concurrency)))
         elapsed = time.perf_counter() - t0
-        if target.pgid:
-            target.cpu_us.append(1e6 * (group_cpu_seconds(target.pgid) - cpu0) / n)
+        cpu = group_cpu_seconds(target.pgid) - cpu0 if target.pgid else 0.0
+    return cpu, elapsed, total
+
+
+async def closed_loop(target: Target, n: int, concurrency: int) -> None:
+    """``n`` non-streaming requests by ``concurrency`` clients; CPU per request and req/s appended."""
+    cpu, elapsed, _ = await _closed_loop(target, n, concurrency, min(n, 4 * concurrency),
+                                         lambda http, i: one(http, target, i, False))
+    if target.pgid:
+        target.cpu_us.append(1e6 * cpu / n)
     target.req_per_s.append(n / elapsed)
 
 
@@ -186,22 +199,9 @@ async def streamed(http: aiohttp.ClientSession, url: str, i: int, tokens: int) -
 async def stream_loop(target: Target, n: int, concurrency: int, tokens: int) -> tuple[float, float, float]:
     """``n`` streaming requests of ``tokens`` tokens by ``concurrency`` clients: (router CPU µs per
     request, per SSE event; SSE events per request)."""
-    remaining = concurrency
-    events = 0
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as http:
-        async def client() -> None:
-            nonlocal remaining, events
-            while remaining > 0:
-                remaining -= 1
-                got = await streamed(http, target.next_url(), remaining, tokens)
-                events += got  # (not ``events += await ...``: that reads ``events`` before the wait)
-
-        await asyncio.gather(*(client() for _ in range(concurrency)))  # warm-up
-        remaining, events = n, 0
-        cpu0 = group_cpu_seconds(target.pgid) if target.pgid else 0.0
-        await asyncio.gather(*(client() for _ in range(concurrency)))
-        cpu = group_cpu_seconds(target.pgid) - cpu0 if target.pgid else 0.0
-    return 1e6 * cpu / n, 1e6 * cpu / max(1, events), events / n
+    cpu, _, events = await _closed_loop(target, n, concurrency, concurrency,
+                                        lambda http, i: streamed(http, target.next_url(), i, tokens))
+    return 1e6 * cpu / n, 1e6 * cpu / max(1.0, events), events / n
 
 
 def measure_streaming(routers: Sequence[str] = ROUTERS, workers: int = 4, rounds: int = 3, n: int = 300,

@@ -16,9 +16,6 @@ from typing import Any
 
 from protocol import untrusted_json
 
-_SEPARATORS = (b"\n\n", b"\r\n\r\n")
-
-
 MAX_EVENT_BYTES = 8 << 20  # one SSE event larger than this is not an answer: the stream is refused
 
 
