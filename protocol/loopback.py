@@ -6,6 +6,7 @@ they serve; this is the one copy of both, at the lowest floor every one of them 
 """
 from __future__ import annotations
 
+import secrets
 import socket
 import time
 import urllib.error
@@ -15,8 +16,43 @@ from typing import Callable
 LOOPBACK = "127.0.0.1"
 
 
+EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+PORT_FLOOR = 10000  # the lowest port picked: above the well-known and most registered services' ports
+MIN_SPAN = 1000  # fewer ports than this below the ephemeral range: ask the kernel instead
+
+
+def ephemeral_range(path: str = EPHEMERAL_RANGE) -> tuple[int, int]:
+    """The ports the kernel gives outgoing connections and ``bind(0)`` (Linux's default when
+    unreadable)."""
+    try:
+        with open(path, encoding="ascii") as fh:
+            low, high = (int(x) for x in fh.read().split()[:2])
+    except (OSError, ValueError):
+        return 32768, 60999
+    return low, high
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((LOOPBACK, port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
+    """A TCP port on 127.0.0.1 that is free right now, picked at random *below* the kernel's
+    ephemeral range where that leaves room: a child process binds the port a moment later, and
+    in between an outgoing connection (the tests and benchmarks open thousands) could take a port
+    from the ephemeral range, never one outside it. (``bind(0)`` picks from that range: the
+    fallback when there is no room below it.)"""
+    low, _ = ephemeral_range()
+    if low - PORT_FLOOR >= MIN_SPAN:
+        for _ in range(100):
+            port = PORT_FLOOR + secrets.randbelow(low - PORT_FLOOR)
+            if _bindable(port):
+                return port
     with socket.socket() as s:
         s.bind((LOOPBACK, 0))
         return s.getsockname()[1]
