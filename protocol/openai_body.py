@@ -66,8 +66,11 @@ class BodyBytes:
         self.cap = cap
 
     @staticmethod
-    def for_loop(limit: int) -> "BodyBytes":
-        loop = asyncio.get_running_loop()
+    def for_loop(limit: int, loop: asyncio.AbstractEventLoop | None = None) -> "BodyBytes":
+        """The books of ``loop`` (the running loop when None; a caller that holds it saves
+        ``get_running_loop``'s getpid() system call, CPython 3.11's check against a fork)."""
+        if loop is None:
+            loop = asyncio.get_running_loop()
         last = _LAST_RECEIVING[0]
         if last is not None and last[0]() is loop:  # the usual case: one loop (no weak-dict lookup)
             return last[1]
@@ -151,17 +154,18 @@ async def read_limited_body(content_length: int | None, content: BodyStream, lim
 
 
 def body_nowait(content_length: int | None, content: BodyStream, limit: int,
-                limits: "RequestLimits | None" = None) -> Body | None:
+                limits: "RequestLimits | None" = None, loop: asyncio.AbstractEventLoop | None = None) -> Body | None:
     """:func:`read_limited_body` without waiting: the body, checked as it would check it, when
     all of it has arrived already (a small body comes with the headers); None when some is still
-    to come (nothing read then). A body declared over ``limit`` is a 413 either way."""
+    to come (nothing read then). A body declared over ``limit`` is a 413 either way. (``loop``:
+    the running loop, where the caller holds it: see :meth:`BodyBytes.for_loop`.)"""
     if content_length is not None and content_length > limit:
         raise body_too_large(limit)
     is_eof = getattr(content, "is_eof", None)
     if is_eof is None or not is_eof():
         return None
     # the same checks, without a deadline, an iterator and a closure for every request
-    return _whole_body(content.read_nowait(-1), limit, BodyBytes.for_loop(limit), limits,  # type: ignore[attr-defined]
+    return _whole_body(content.read_nowait(-1), limit, BodyBytes.for_loop(limit, loop), limits,  # type: ignore[attr-defined]
                        content_length)
 
 

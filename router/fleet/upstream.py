@@ -77,6 +77,8 @@ class _Connection(asyncio.Protocol):
     """One pooled connection; feeds the response being received, if any."""
 
     def __init__(self) -> None:
+        # (its loop, once a connection: get_running_loop() is a getpid() system call on 3.11)
+        self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.response: UpstreamResponse | None = None
         self.lost = False
@@ -153,7 +155,7 @@ class UpstreamResponse:
         self._conn = conn
         self._pool = pool
         self._key = key
-        self._loop = asyncio.get_running_loop()
+        self._loop = conn.loop
         self._read_timeout = read_timeout
         self._buf = bytearray()
         self._state = _HEAD

@@ -35,6 +35,7 @@ from router.cost.ledger import tenant_of
 from router.http.siblings import merge_metrics
 from router.metrics import CONTENT_TYPE
 from router.routing.prompt import prompt_key, session_key_of
+from router.http.front import loop_of
 from router.http.proxy import RETRY_AFTER_S, ProxyRequest
 from router.http.sse import usage_numbers
 from router.http.virtual import describe_virtual, serve_virtual
@@ -107,7 +108,7 @@ def _inference(request: web.Request, chat: bool) -> Awaitable[web.StreamResponse
     ctx = request.app[CONTEXT]
     cfg = ctx.config
     limits = _limits(cfg.max_body_bytes)
-    raw = body_nowait(request.content_length, request.content, cfg.max_body_bytes, limits)
+    raw = body_nowait(request.content_length, request.content, cfg.max_body_bytes, limits, loop_of(request))
     if raw is None or len(raw) > OFF_LOOP_BYTES:
         return _read_then_route(request, ctx, chat, limits, raw)
     return _route_parsed(request, ctx, chat, raw, parse_request(raw, chat, limits))
@@ -195,10 +196,11 @@ async def _route(ctx: RouterContext, request: web.Request, raw: bytes, body: dic
         headers["Authorization"] = f"Bearer {cfg.worker_api_key}"
     elif cfg.api_keys:
         headers.pop("Authorization", None)  # the client's key is for this router, not the workers
+    loop = loop_of(request)
     preq = ProxyRequest(path=path, body=upstream_body, prompt=prompt, stream=stream,
                         client_wants_usage=include_usage, affinity=affinity, headers=headers,
                         exclude=ctx.registry.excluded_for(model), request_id=request_id,
-                        response_headers=response_headers or {})
+                        response_headers=response_headers or {}, loop=loop)
     started = time.perf_counter()
     status = 500
     try:
@@ -215,7 +217,7 @@ async def _route(ctx: RouterContext, request: web.Request, raw: bytes, body: dic
         # a model no worker serves is not a label: clients must not grow the metric's series.
         # Logged and counted in the loop's next turn, once the answer has been written: the client
         # does not wait for it (its next request arrives in a later turn and finds it counted).
-        asyncio.get_running_loop().call_soon(
+        loop.call_soon(
             _access, ctx, preq, model, model if model in served else "unknown", status,
             time.perf_counter() - started, request, cfg.api_keys, session)
 

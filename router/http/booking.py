@@ -41,7 +41,7 @@ class BookedAttempt(Booking):
     metrics: RouterMetrics | None = None
     _usage: dict[str, Any] | None = None
     _answer: bytes | None = None
-    after_answer: bool = False
+    after_answer: asyncio.AbstractEventLoop | None = None  # release_after_answer's loop
 
     @property
     def usage(self) -> dict[str, Any] | None:
@@ -66,16 +66,17 @@ class BookedAttempt(Booking):
     def __enter__(self) -> "BookedAttempt":
         return self
 
-    def release_after_answer(self) -> None:
+    def release_after_answer(self, loop: asyncio.AbstractEventLoop) -> None:
         """Leaving the block normally now releases the booking in the event loop's next turn, once
         the answer in hand has been written to its client: the client does not wait for the
         bookkeeping. (The next request that can see the worker arrives in a later turn, so it
-        finds the booking released; a failure still releases at once, before any retry.)"""
-        self.after_answer = True
+        finds the booking released; a failure still releases at once, before any retry.) ``loop``:
+        the running loop."""
+        self.after_answer = loop
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
-        if exc_type is None and self.after_answer:
-            asyncio.get_running_loop().call_soon(self._release)
+        if exc_type is None and self.after_answer is not None:
+            self.after_answer.call_soon(self._release)
         else:
             self._release()
 

@@ -107,6 +107,13 @@ class FastResponse:
         self.prepared = False
 
 
+def loop_of(request: Any) -> asyncio.AbstractEventLoop:
+    """The loop serving ``request``: its fast-front connection's, else the running loop (asyncio's
+    ``get_running_loop`` is a getpid() system call on CPython 3.11, its check against a fork: a
+    request's path asks for the loop several times)."""
+    return request.protocol.loop if type(request) is FastRequest else asyncio.get_running_loop()
+
+
 WHOLE_RESPONSES = (web.Response, FastResponse)  # answers with a ``body`` not yet sent
 
 
@@ -244,6 +251,8 @@ def _wrap(middleware: Any, inner: Callable[[Handler], Handler], handler: Handler
 class FrontProtocol(asyncio.Protocol):
     """One client connection while the fast path serves it (see the module docstring)."""
 
+    loop: asyncio.AbstractEventLoop  # (from connection_made)
+
     def __init__(self, front: Front) -> None:
         self.front = front
         self.transport: asyncio.Transport | None = None
@@ -271,6 +280,9 @@ class FrontProtocol(asyncio.Protocol):
 
     # -- asyncio.Protocol ------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # The loop, once a connection: asyncio.get_running_loop() makes a getpid() system call
+        # on CPython 3.11 (its check against a fork), and the requests' path would make several.
+        self.loop = asyncio.get_running_loop()
         self.transport = transport  # type: ignore[assignment]
         tcp_keepalive(transport)  # as aiohttp's server: a peer gone silently is found out
         self.front.connections.add(self)
@@ -318,7 +330,7 @@ class FrontProtocol(asyncio.Protocol):
             return
         waiter = self._drain
         if waiter is None:
-            waiter = self._drain = asyncio.get_running_loop().create_future()
+            waiter = self._drain = self.loop.create_future()
         await waiter
 
     def _wake(self, exc: BaseException | None) -> None:
@@ -350,12 +362,12 @@ class FrontProtocol(asyncio.Protocol):
     def _idle(self) -> None:
         """Idle from now: closed after KEEPALIVE_S unless a request comes first."""
         self._cancel_timer()
-        self._idle_since = asyncio.get_running_loop().time()
+        self._idle_since = self.loop.time()
         if self._keepalive is None:
             self._keep_alive_until(self._idle_since + KEEPALIVE_S)
 
     def _keep_alive_until(self, due: float) -> None:
-        self._keepalive = asyncio.get_running_loop().call_at(due, self._keepalive_due, due)
+        self._keepalive = self.loop.call_at(due, self._keepalive_due, due)
 
     def _keepalive_due(self, due: float) -> None:
         """The timer set for ``due`` fired: close if that is the current idle period's deadline
@@ -388,7 +400,7 @@ class FrontProtocol(asyncio.Protocol):
             if not self._waiting_body:
                 self._waiting_body = True
                 self._cancel_timer()
-                self._timer = asyncio.get_running_loop().call_later(BODY_WAIT_S, self._handover)
+                self._timer = self.loop.call_later(BODY_WAIT_S, self._handover)
             return
         self._cancel_timer()
         self._waiting_body = False
@@ -402,7 +414,7 @@ class FrontProtocol(asyncio.Protocol):
             self.task = self._runner
             waiter.set_result((request, handler))
         else:  # (a waiter done: its task was cancelled while idle and is ending)
-            self.task = self._runner = asyncio.get_running_loop().create_task(self._run(request, handler))
+            self.task = self._runner = self.loop.create_task(self._run(request, handler))
 
     def _handover(self) -> None:
         """aiohttp takes this connection, with every byte not yet used (from the current
@@ -466,7 +478,7 @@ class FrontProtocol(asyncio.Protocol):
                     self._runner = None
                     self._next()
                     return
-                waiter = self._waiter = asyncio.get_running_loop().create_future()
+                waiter = self._waiter = self.loop.create_future()
                 request, handler = await waiter
         finally:
             if self._runner is runner:

@@ -100,6 +100,10 @@ class ProxyRequest:
     ttfb_s: float | None = None
     attempts: int = 0
     booking: BookedAttempt | None = None  # the attempt that answered: its usage, once read
+    # The running loop, where the caller holds it (router/http/front.py's loop_of): asyncio's
+    # get_running_loop() is a getpid() system call on CPython 3.11; the proxy needs the loop
+    # for its times, its guards and the booking's release. None: the proxy asks asyncio.
+    loop: asyncio.AbstractEventLoop | None = None
 
 
 class _Failed(Exception):
@@ -119,10 +123,11 @@ class _Guard:
     the loop's next turn, and the cancellation leaves the block as a ``TimeoutError`` -- without
     an ``asyncio.Timeout`` and the coroutines around it (4.7 us an attempt; this, 1.6)."""
 
-    __slots__ = ("_guards", "_task", "_cancelling", "_state", "_handle")
+    __slots__ = ("_guards", "_loop", "_task", "_cancelling", "_state", "_handle")
 
-    def __init__(self, guards: set) -> None:
+    def __init__(self, guards: set, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self._guards = guards
+        self._loop = loop  # the running loop (None: asked of asyncio when needed)
         self._task: asyncio.Task | None = None
         self._cancelling = 0
         self._state = _ACTIVE
@@ -139,7 +144,7 @@ class _Guard:
 
     def enter(self) -> None:
         """``async with``'s entry, for a caller that calls :meth:`leave` itself (no coroutines)."""
-        task = asyncio.current_task()
+        task = asyncio.current_task(self._loop)
         if task is None:
             raise RuntimeError("Timeout should be used inside a task")
         self._task = task
@@ -163,7 +168,7 @@ class _Guard:
         """End the guarded block: its task is cancelled in the loop's next turn."""
         if self._handle is not None:
             self._handle.cancel()
-        self._handle = asyncio.get_running_loop().call_soon(self._on_expire)
+        self._handle = (self._loop or asyncio.get_running_loop()).call_soon(self._on_expire)
 
     def _on_expire(self) -> None:
         self._task.cancel()  # type: ignore[union-attr]
@@ -239,16 +244,18 @@ class Proxy:
         if w.worker_id is not None and not self._guards.get(w.worker_id):
             self._guards.pop(w.worker_id, None)
 
-    def _guard(self, worker_id: str) -> _Guard:
+    def _guard(self, worker_id: str, loop: asyncio.AbstractEventLoop | None = None) -> _Guard:
         guards = self._guards.get(worker_id)
         if guards is None:
             guards = self._guards[worker_id] = set()
-        return _Guard(guards)
+        return _Guard(guards, loop)
 
     # -- the request ------------------------------------------------------------------------
     async def handle(self, request: web.Request, preq: ProxyRequest) -> web.StreamResponse:
         """Admit, route ``preq`` and answer ``request`` with the chosen worker's response."""
-        loop = asyncio.get_running_loop()
+        loop = preq.loop
+        if loop is None:
+            loop = preq.loop = asyncio.get_running_loop()
         arrived = loop.time()
         admission = self.admission
         deadline = admission.deadline(arrived)
@@ -301,7 +308,7 @@ class Proxy:
                             return await self._stream(request, preq, booking, upstream, first)
                         response = self._complete(request, booking, upstream, first, preq.request_id,
                                                   preq.response_headers)
-                        booking.release_after_answer()
+                        booking.release_after_answer(loop)
                         return response
                 self._attempt_failed(worker_id, failure, attempts)
                 excluded = excluded | {worker_id}
@@ -346,7 +353,7 @@ class Proxy:
         All of it under an abortable guard: an abort of the worker is an ``aborted`` failure."""
         if url is None:
             raise _Failed("unknown", "worker left the registry")
-        guard = self._guard(worker_id)
+        guard = self._guard(worker_id, preq.loop)
         guard.enter()  # (async with guard, without its two coroutines)
         try:
             try:
@@ -435,7 +442,7 @@ class Proxy:
             if failure is None and not tap.done:
                 if out:
                     await response.write(out)
-                failure, out = await self._pass_through(response, upstream, tap, worker_id)
+                failure, out = await self._pass_through(response, upstream, tap, worker_id, preq.loop)
             # ``out``: the stream's last events, written with its end (one write, not two)
             if failure is None:
                 out += tap.flush()
@@ -469,14 +476,15 @@ class Proxy:
             booking.usage = tap.usage
 
     async def _pass_through(self, response: web.StreamResponse, upstream: aiohttp.ClientResponse,
-                            tap: UsageTap, worker_id: str) -> tuple[_Failed | None, bytes]:
+                            tap: UsageTap, worker_id: str,
+                            loop: asyncio.AbstractEventLoop | None = None) -> tuple[_Failed | None, bytes]:
         """Forward upstream events until the stream ends: the worker failure that ended it, if
         any, and the events of the read that ended it at ``data: [DONE]``, not written yet (the
         caller writes them with the answer's end).
 
         Only upstream reads are worker failures; a failed write to the client propagates.
         """
-        guard = self._guard(worker_id)
+        guard = self._guard(worker_id, loop)
         content = upstream.content
         try:
             async with guard:

@@ -165,6 +165,7 @@ class _Conn:
 
     transport = None
     lost = False
+    loop = None  # (the parse schedules nothing)
 
     def close(self) -> None:
         self.lost = True
