@@ -41,7 +41,7 @@ class BookedAttempt(Booking):
     metrics: RouterMetrics | None = None
     _usage: dict[str, Any] | None = None
     _answer: bytes | None = None
-    after_answer: asyncio.AbstractEventLoop | None = None  # release_after_answer's loop
+    release_loop: asyncio.AbstractEventLoop | None = None  # set by release_after_answer: released in its next turn
 
     @property
     def usage(self) -> dict[str, Any] | None:
@@ -72,11 +72,11 @@ class BookedAttempt(Booking):
         bookkeeping. (The next request that can see the worker arrives in a later turn, so it
         finds the booking released; a failure still releases at once, before any retry.) ``loop``:
         the running loop."""
-        self.after_answer = loop
+        self.release_loop = loop
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
-        if exc_type is None and self.after_answer is not None:
-            self.after_answer.call_soon(self._release)
+        if exc_type is None and self.release_loop is not None:
+            self.release_loop.call_soon(self._release)
         else:
             self._release()
 

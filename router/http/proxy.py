@@ -477,7 +477,7 @@ class Proxy:
 
     async def _pass_through(self, response: web.StreamResponse, upstream: aiohttp.ClientResponse,
                             tap: UsageTap, worker_id: str,
-                            loop: asyncio.AbstractEventLoop | None = None) -> tuple[_Failed | None, bytes]:
+                            loop: asyncio.AbstractEventLoop) -> tuple[_Failed | None, bytes]:
         """Forward upstream events until the stream ends: the worker failure that ended it, if
         any, and the events of the read that ended it at ``data: [DONE]``, not written yet (the
         caller writes them with the answer's end).

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import sys
 
 import aiohttp
 import pytest
@@ -222,6 +223,43 @@ async def test_the_openai_client_and_aiohttp_are_served_on_the_fast_path(router)
         async with http.post(f"http://{host}:{port}/v1/completions", json=BODY) as resp:
             assert resp.status == 200
     assert ctx.front.requests == 5 and ctx.front.handed_over == 0
+
+
+def _count_loop_lookups(monkeypatch) -> list[str]:
+    """The router's and protocol's calls of asyncio.get_running_loop (directly, or through
+    asyncio.current_task): a getpid() system call each on CPython 3.11."""
+    calls: list[str] = []
+    original = asyncio.get_running_loop
+
+    def counted():
+        for depth in (1, 2):  # the caller, or the caller of asyncio.current_task
+            code = sys._getframe(depth).f_code
+            if "/router/" in code.co_filename or "/protocol/" in code.co_filename:
+                calls.append(f"{code.co_filename}:{code.co_name}")
+                break
+        return original()
+
+    monkeypatch.setattr(asyncio, "get_running_loop", counted)
+    monkeypatch.setattr(asyncio.events, "get_running_loop", counted)
+    return calls
+
+
+async def test_a_connection_s_requests_do_not_ask_asyncio_for_the_loop(router, monkeypatch):
+    # the fast front's connection and the upstream connections hold their loop, and a request
+    # carries it (issue 18): no getpid() system call a request, whole answers and streams alike
+    ctx, worker, host, port = router
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(post("/v1/completions", BODY))  # the connections made (each takes its loop once)
+    assert (await read_response(reader))[0] == 200
+    calls = _count_loop_lookups(monkeypatch)
+    for stream in (False, True, False, True):
+        writer.write(post("/v1/completions", {**BODY, "stream": stream}))
+        status, _, body = await read_response(reader)
+        assert status == 200 and (b"[DONE]" in body) == stream
+    await asyncio.sleep(0)  # (the bookings' releases and access records, in the loop's next turn)
+    assert ctx.front.requests == 5
+    assert calls == []
+    writer.close()
 
 
 async def test_no_fast_front_serves_the_port_with_aiohttp_alone():
