@@ -149,11 +149,13 @@ class Cluster:
 
     def router(self, workers: Sequence[Process], policy: str, affinity: float | None = None,
                redis: str | None = None, redis_prefix: str | None = None, extra: Sequence[str] = (),
-               timeout: float = 60.0, source: Path | None = None) -> Process:
+               timeout: float = 60.0, source: Path | None = None, python: str | None = None,
+               name: str | None = None) -> Process:
         """Start ``prefixlb router`` in front of ``workers`` (``source``: the code of another
-        checkout of prefixlb, e.g. an older commit's, instead of this one's)."""
+        checkout of prefixlb, e.g. an older commit's, instead of this one's; ``python``: another
+        interpreter than this one, with the router's dependencies; ``name``: its log's name)."""
         port = free_port()
-        cmd = [sys.executable, "-m", "prefixlb", "router", "--host", "127.0.0.1", "--port", str(port),
+        cmd = [python or sys.executable, "-m", "prefixlb", "router", "--host", "127.0.0.1", "--port", str(port),
                "--policy", policy, "--log-level", "warning", *extra]
         for w in workers:
             cmd += ["--worker", w.url]
@@ -161,7 +163,7 @@ class Cluster:
             cmd += ["--affinity", str(affinity)]
         if redis:
             cmd += ["--redis", redis, "--redis-prefix", redis_prefix or "prefixlb:"]
-        proc = self._start(f"router-{policy}" + (f"-{Path(source).name}" if source else ""), cmd, port,
+        proc = self._start(name or f"router-{policy}" + (f"-{Path(source).name}" if source else ""), cmd, port,
                            cwd=source)
         proc.wait_ready("/health", timeout)
         return proc
