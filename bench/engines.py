@@ -39,6 +39,7 @@ from pathlib import Path
 import aiohttp
 
 from bench.process_group import group_cpu_by_process, stop_group
+from bench.stats import rotated
 from bench.vllm_server import ROOT, VLLM_PYTHON, start_vllm, wait_healthy
 from protocol.loopback import free_port
 
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         for t in targets:  # warm-up: first-request compilation and allocation out of the measurement
             asyncio.run(run_round(t, -1))
         for r in range(args.rounds):
-            order = targets[r % len(targets):] + targets[:r % len(targets)]
+            order = rotated(targets, r)
             for t in order:
                 t.results.append(asyncio.run(run_round(t, r)))
                 print(f"round {r} {t.name:12s} {t.results[-1]['tok_per_s']:7.1f} tok/s "

@@ -27,6 +27,7 @@ import tempfile
 
 from bench.cluster import ROOT, cluster
 from bench.peers.overhead import Target, closed_loop, sequential
+from bench.stats import rotated
 
 
 def interpreter(spec: str) -> tuple[str, str]:
@@ -52,7 +53,7 @@ def measure(pythons: list[tuple[str, str]], rounds: int, requests: int, sequenti
             proc = c.router(fleet, "cache_aware", source=ROOT, python=exe, name=f"router-{i}")
             targets.append(Target(name, [proc.url], pgid=proc.popen.pid))
         for r in range(rounds):
-            for t in targets[r % len(targets):] + targets[:r % len(targets)]:
+            for t in rotated(targets, r):
                 asyncio.run(closed_loop(t, requests, 32))
         asyncio.run(sequential(targets, sequential_n, True, warmup=20))
     return targets

@@ -21,12 +21,21 @@ the load generator falling behind the trace shows there (TTFT counts from the ac
 from __future__ import annotations
 
 import math
-from typing import Iterable, Sequence
+from typing import Iterable, Sequence, TypeVar
 
 from bench.records import RequestRecord
 
+T = TypeVar("T")
+
 SUMMARY_KEYS = ("requests", "errors", "prompt_tokens", "cached_tokens", "hit_rate", "ttft_ms",
                 "e2e_ms", "req_per_s", "output_tokens_per_s", "per_worker", "imbalance")
+
+
+def rotated(items: Sequence[T], r: int) -> list[T]:
+    """Round ``r``'s order of ``items`` in interleaved rounds: rotated left by ``r``, so each goes
+    first in turn (no target always measured on the box as the one before left it)."""
+    k = r % len(items)
+    return [*items[k:], *items[:k]]
 
 
 def percentile(values: Sequence[float], q: float) -> float:

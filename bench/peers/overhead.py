@@ -33,7 +33,7 @@ import aiohttp
 
 from bench.cluster import Cluster, cluster
 from bench.peers.launch import DEFAULT_VENV, PEERS
-from bench.stats import percentile
+from bench.stats import percentile, rotated
 from protocol.loopback import wait_http_ok
 
 FLOOR = "python-floor"  # bench/peers/floor.py: what no Python router on uvloop can go below
@@ -172,7 +172,7 @@ def measure(routers: Sequence[str] = ROUTERS, workers: int = 4, rounds: int = 3,
     with tempfile.TemporaryDirectory(prefix="router-overhead-") as logs, cluster(logs) as c:
         targets = start(c, routers, workers, policy, venv, baseline)
         for r in range(rounds):
-            order = targets[r % len(targets):] + targets[:r % len(targets)]
+            order = rotated(targets, r)
             asyncio.run(sequential(order, n_seq, stream=False, warmup=10 if r == 0 else 0))
             asyncio.run(sequential(order, n_seq, stream=True, warmup=10 if r == 0 else 0))
             for t in order:
@@ -215,7 +215,7 @@ def measure_streaming(routers: Sequence[str] = ROUTERS, workers: int = 4, rounds
         per_event: dict[str, list[float]] = {t.name: [] for t in targets}
         events: dict[str, list[float]] = {t.name: [] for t in targets}
         for r in range(rounds):
-            for t in targets[r % len(targets):] + targets[:r % len(targets)]:
+            for t in rotated(targets, r):
                 req_us, event_us, count = asyncio.run(stream_loop(t, n, concurrency, tokens))
                 per_request[t.name].append(req_us)
                 per_event[t.name].append(event_us)

@@ -1,6 +1,7 @@
 """``bench.router_pythons``, a short run: one router per interpreter in front of the same simulated
-workers (here this interpreter twice: the suite has no other with the router's dependencies), each
-measured and reported against the first."""
+workers, each measured and reported against the first. The other interpreter is this one behind a
+wrapper that notes each command it runs (the suite has no other Python with the router's
+dependencies): the named interpreter, not this one, must build the compiled loops and run the router."""
 from __future__ import annotations
 
 import argparse
@@ -14,8 +15,12 @@ from bench.router_pythons import interpreter
 from tests.support import ROOT
 
 
-def test_each_interpreter_s_router_is_measured_and_compared_with_this_one_s():
-    proc = subprocess.run([sys.executable, "-m", "bench.router_pythons", "--python", f"again={sys.executable}",
+def test_each_interpreter_s_router_is_measured_and_compared_with_this_one_s(tmp_path):
+    ran = tmp_path / "ran"
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f'#!/bin/sh\necho "$*" >> {ran}\nexec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    proc = subprocess.run([sys.executable, "-m", "bench.router_pythons", "--python", f"again={wrapper}",
                            "--rounds", "2", "--requests", "200", "--sequential", "5"],
                           cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -26,6 +31,9 @@ def test_each_interpreter_s_router_is_measured_and_compared_with_this_one_s():
             r"\| [^|]+ \| (\d+) \((\d+, \d+)\) \| ([\d.]+×|-) \| (\d+) \| ([\d.]+) \|", row).groups()
         assert float(req_s) > 0 and float(first) > 0
     assert rows[0].split("|")[3].strip() in ("1.00×", "-")  # - : less than a clock tick of CPU
+    commands = ran.read_text().splitlines()
+    assert any(c.startswith("setup.py -q build_ext --inplace") for c in commands), commands
+    assert any(c.startswith("-m prefixlb router ") for c in commands), commands
 
 
 def test_no_other_interpreter_is_an_error_and_specs_are_name_equals_executable():

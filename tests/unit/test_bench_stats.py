@@ -8,7 +8,7 @@ import pytest
 
 from bench.records import RequestRecord, read_jsonl, write_jsonl
 from bench.report import compare, write_run
-from bench.stats import SUMMARY_KEYS, distribution, imbalance, percentile, summarize
+from bench.stats import SUMMARY_KEYS, distribution, imbalance, percentile, rotated, summarize
 
 
 def _known_run() -> list[RequestRecord]:
@@ -92,3 +92,10 @@ def test_run_directory_round_trips_and_compare_lists_every_run(tmp_path):
 def test_jsonl_writer_and_reader_agree(tmp_path):
     write_jsonl(_known_run(), tmp_path / "r.jsonl")
     assert read_jsonl(tmp_path / "r.jsonl")[4].error == "http 503: no worker"
+
+
+def test_interleaved_rounds_put_each_target_first_in_turn():
+    targets = ["direct", "prefixlb", "sglang"]
+    orders = [rotated(targets, r) for r in range(4)]
+    assert orders == [targets, ["prefixlb", "sglang", "direct"], ["sglang", "direct", "prefixlb"], targets]
+    assert targets == ["direct", "prefixlb", "sglang"]  # (a new list each round, the input untouched)
