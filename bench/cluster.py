@@ -5,6 +5,7 @@ process group) when the context exits, even on failure.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import shutil
@@ -18,6 +19,21 @@ from typing import Iterator, Sequence
 
 from bench.peers.launch import DEFAULT_VENV, ROOT, peer_env, start_peer
 from protocol.loopback import free_port, wait_http_ok
+
+
+def interpreter(spec: str) -> tuple[str, str]:
+    """``NAME=EXECUTABLE`` (a command line's ``--python``) as (name, executable)."""
+    name, sep, exe = spec.partition("=")
+    if not sep or not name or not exe:
+        raise argparse.ArgumentTypeError(f"expected NAME=EXECUTABLE, got {spec!r}")
+    return name, exe
+
+
+def build_extensions(exe: str, source: Path = ROOT) -> None:
+    """The router's compiled loops for the interpreter ``exe`` (its ABI's ``.so`` files, beside the
+    sources of the checkout ``source``)."""
+    subprocess.run([exe, "setup.py", "-q", "build_ext", "--inplace"], cwd=source, check=True,
+                   stdout=subprocess.DEVNULL)
 
 
 class ClusterError(RuntimeError):
@@ -180,10 +196,12 @@ class Cluster:
         proc.wait_ready("/v1/models", timeout)
         return proc
 
-    def floor(self, workers: Sequence[Process], timeout: float = 30.0) -> Process:
-        """Start ``bench/peers/floor.py`` (the floor of a Python router) in front of ``workers``."""
+    def floor(self, workers: Sequence[Process], timeout: float = 30.0, python: str | None = None,
+              name: str = "python-floor") -> Process:
+        """Start ``bench/peers/floor.py`` (the floor of a Python router) in front of ``workers``
+        (``python``: another interpreter than this one)."""
         port = free_port()
-        proc = self._start("python-floor", [sys.executable, "-m", "bench.peers.floor", "--port", str(port),
+        proc = self._start(name, [python or sys.executable, "-m", "bench.peers.floor", "--port", str(port),
                                             *[w.url for w in workers]], port, cwd=ROOT)
         proc.wait_ready("/v1/models", timeout)
         return proc

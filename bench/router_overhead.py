@@ -4,10 +4,13 @@
     python -m bench.router_overhead --quick
     python -m bench.router_overhead --peers        # beside sglang-router and vllm-router, 4 workers
     python -m bench.router_overhead --peers --streaming   # CPU per streamed request and SSE event
+    python -m bench.router_overhead --peers --python pgo=/tmp/rdeb/bin/python   # and on another CPython
 
 ``--peers`` is ``bench/peers/overhead.py``: prefixlb, sglang-router 0.3.2, vllm-router 0.1.17 and the
 floor of a Python router (``bench/peers/floor.py``)
-in front of the same simulated workers, interleaved rounds; what follows is the default mode.
+in front of the same simulated workers, interleaved rounds (``--python NAME=EXECUTABLE``: this
+checkout's router on another interpreter too, as ``prefixlb@NAME``; the floor stays on this one);
+what follows is the default mode.
 
 One simulated worker (``prefixlb worker --simulate --time-scale 1000``: the same HTTP server,
 near-zero model time, so the HTTP and routing costs dominate) and one router in front of it
@@ -46,6 +49,7 @@ from typing import Iterator
 import aiohttp
 from aiohttp import web
 
+from bench.cluster import interpreter
 from bench.peers.launch import DEFAULT_VENV
 from bench.peers.overhead import ROUTERS
 from bench.peers.overhead import measure as peers_overhead
@@ -223,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline", type=Path, default=None,
                         help="--peers: another checkout of prefixlb (e.g. `git archive <commit> | tar -x -C /tmp/base`) "
                              "whose router runs too, as prefixlb@baseline: before / after in one run")
+    parser.add_argument("--python", type=interpreter, action="append", default=[], metavar="NAME=EXECUTABLE",
+                        help="--peers: also run this checkout's router on another interpreter (with the router's "
+                             "dependencies), as prefixlb@NAME: e.g. a PGO+LTO build, as the router image's (repeatable)")
     parser.add_argument("--serve-bare-proxy", nargs=2, metavar=("PORT", "UPSTREAM"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_bare_proxy:
@@ -271,14 +278,14 @@ def _peers(args: argparse.Namespace) -> int:
     if args.streaming:
         streamed = peers_streaming(routers, workers=args.workers, rounds=args.rounds, n=2 * n_seq,
                                    concurrency=min(16, args.concurrency), policy=args.policy,
-                                   venv=args.peers_venv, baseline=args.baseline)
+                                   venv=args.peers_venv, baseline=args.baseline, pythons=args.python)
         print(peers_streaming_report(streamed))
         if args.json:
             print(json.dumps(streamed, indent=2))
         return 0
     result = peers_overhead(routers, workers=args.workers, rounds=args.rounds, n_seq=n_seq, n_load=20 * n_seq,
                             concurrency=args.concurrency, policy=args.policy, venv=args.peers_venv,
-                            baseline=args.baseline)
+                            baseline=args.baseline, pythons=args.python)
     print(peers_report(result))
     if args.json:
         print(json.dumps(result, indent=2))

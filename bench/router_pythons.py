@@ -21,27 +21,14 @@ import argparse
 import asyncio
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 
-from bench.cluster import ROOT, cluster
+from bench.cluster import ROOT, build_extensions, cluster, interpreter
 from bench.peers.overhead import Target, closed_loop, sequential
 from bench.stats import rotated
 
 
-def interpreter(spec: str) -> tuple[str, str]:
-    """``NAME=EXECUTABLE`` as (name, executable)."""
-    name, sep, exe = spec.partition("=")
-    if not sep or not name or not exe:
-        raise argparse.ArgumentTypeError(f"expected NAME=EXECUTABLE, got {spec!r}")
-    return name, exe
-
-
-def build_extensions(exe: str) -> None:
-    """The router's compiled loops for ``exe`` (its ABI's ``.so`` files, beside the sources)."""
-    subprocess.run([exe, "setup.py", "-q", "build_ext", "--inplace"], cwd=ROOT, check=True,
-                   stdout=subprocess.DEVNULL)
 
 
 def measure(pythons: list[tuple[str, str]], rounds: int, requests: int, sequential_n: int) -> list[Target]:

@@ -31,8 +31,8 @@ from typing import Awaitable, Callable, Sequence
 
 import aiohttp
 
-from bench.cluster import Cluster, cluster
-from bench.peers.launch import DEFAULT_VENV, PEERS
+from bench.cluster import Cluster, build_extensions, cluster
+from bench.peers.launch import DEFAULT_VENV, PEERS, ROOT
 from bench.stats import percentile, rotated
 from protocol.loopback import wait_http_ok
 
@@ -148,16 +148,28 @@ async def closed_loop(target: Target, n: int, concurrency: int) -> None:
 
 
 def start(c: Cluster, routers: Sequence[str], workers: int, policy: str, venv: Path,
-          baseline: Path | None = None, time_scale: float = 1000) -> list[Target]:
+          baseline: Path | None = None, time_scale: float = 1000,
+          pythons: Sequence[tuple[str, str]] = ()) -> list[Target]:
     """The workers, then each router in front of them; [direct, *routers] as targets
-    (``baseline``: a checkout of prefixlb whose router runs too, as ``prefixlb@baseline``)."""
+    (``baseline``: a checkout of prefixlb whose router runs too, as ``prefixlb@baseline``;
+    ``pythons``: (name, executable) of other interpreters that each run this checkout's router
+    too, as ``prefixlb@name``, their compiled loops built in place first)."""
+    for _, exe in pythons:
+        build_extensions(exe)
     fleet = c.workers(workers, time_scale=time_scale)
     targets = [Target("direct", [w.url for w in fleet])]
-    for name in [*routers, *(["prefixlb@baseline"] if baseline else [])]:
+    named = dict(pythons)
+    for name in [*routers, *(["prefixlb@baseline"] if baseline else []), *(f"prefixlb@{n}" for n in named)]:
         if name == FLOOR:
             proc = c.floor(fleet)
         elif name.startswith("prefixlb"):
-            proc = c.router(fleet, policy, source=baseline if name == "prefixlb@baseline" else None)
+            if name == "prefixlb@baseline":
+                proc = c.router(fleet, policy, source=baseline)
+            elif "@" in name:  # this checkout on another interpreter
+                proc = c.router(fleet, policy, source=ROOT, python=named[name.partition("@")[2]],
+                                name=f"router-{name.replace('@', '-')}")
+            else:
+                proc = c.router(fleet, policy)
             wait_http_ok(proc.url + "/health", 30, accept=lambda b: json.loads(b)["routable_workers"] == workers)
         else:
             proc = c.peer(name, policy, fleet, venv=venv)
@@ -167,10 +179,11 @@ def start(c: Cluster, routers: Sequence[str], workers: int, policy: str, venv: P
 
 def measure(routers: Sequence[str] = ROUTERS, workers: int = 4, rounds: int = 3, n_seq: int = 150,
             n_load: int = 3000, concurrency: int = 32, policy: str = "cache_aware",
-            venv: Path = DEFAULT_VENV, baseline: Path | None = None) -> dict:
+            venv: Path = DEFAULT_VENV, baseline: Path | None = None,
+            pythons: Sequence[tuple[str, str]] = ()) -> dict:
     """Run the rounds; per target: latencies, added latency, CPU per request, req/s."""
     with tempfile.TemporaryDirectory(prefix="router-overhead-") as logs, cluster(logs) as c:
-        targets = start(c, routers, workers, policy, venv, baseline)
+        targets = start(c, routers, workers, policy, venv, baseline, pythons=pythons)
         for r in range(rounds):
             order = rotated(targets, r)
             asyncio.run(sequential(order, n_seq, stream=False, warmup=10 if r == 0 else 0))
@@ -206,11 +219,13 @@ async def stream_loop(target: Target, n: int, concurrency: int, tokens: int) -> 
 
 def measure_streaming(routers: Sequence[str] = ROUTERS, workers: int = 4, rounds: int = 3, n: int = 300,
                       concurrency: int = 16, tokens: int = 64, policy: str = "cache_aware",
-                      venv: Path = DEFAULT_VENV, baseline: Path | None = None) -> dict:
+                      venv: Path = DEFAULT_VENV, baseline: Path | None = None,
+                      pythons: Sequence[tuple[str, str]] = ()) -> dict:
     """Router CPU per streamed request and per SSE event (medians over rounds), in front of a fleet
     whose streams send an event every ~1.5 ms (``STREAM_TIME_SCALE``), as a GPU's every ~30 ms."""
     with tempfile.TemporaryDirectory(prefix="router-streaming-") as logs, cluster(logs) as c:
-        targets = start(c, routers, workers, policy, venv, baseline, time_scale=STREAM_TIME_SCALE)[1:]
+        targets = start(c, routers, workers, policy, venv, baseline, time_scale=STREAM_TIME_SCALE,
+                        pythons=pythons)[1:]
         per_request: dict[str, list[float]] = {t.name: [] for t in targets}
         per_event: dict[str, list[float]] = {t.name: [] for t in targets}
         events: dict[str, list[float]] = {t.name: [] for t in targets}
@@ -277,10 +292,12 @@ def report(result: dict) -> str:
         lines.append(f"| {name} | {r['cpu_us_per_request']:.0f} | {r['req_per_s']:.0f} | {r['unloaded_p50_ms']:.2f} "
                      f"({r['added_p50_ms']:+.2f}) | {r['added_p90_ms']:+.2f} | {r['first_chunk_p50_ms']:.2f} "
                      f"({r['first_chunk_added_p50_ms']:+.2f}, {r['first_chunk_vs_direct']:.2f}x) |")
-    for other in ("sglang-router", "prefixlb@baseline"):
-        if "prefixlb" in rows and other in rows:
-            p, s = rows["prefixlb"], rows[other]
-            lines.append(f"prefixlb / {other}: CPU per request {p['cpu_us_per_request'] / s['cpu_us_per_request']:.2f}x, "
+    ours = [name for name in rows if name == "prefixlb" or (name.startswith("prefixlb@") and name != "prefixlb@baseline")]
+    pairs = [(name, "sglang-router") for name in ours] + [("prefixlb", "prefixlb@baseline")]
+    for mine, other in pairs:
+        if mine in rows and other in rows:
+            p, s = rows[mine], rows[other]
+            lines.append(f"{mine} / {other}: CPU per request {p['cpu_us_per_request'] / s['cpu_us_per_request']:.2f}x, "
                          f"added p50 {p['added_p50_ms']:.2f} vs {s['added_p50_ms']:.2f} ms, "
                          f"req/s {p['req_per_s'] / s['req_per_s']:.2f}x")
     if "prefixlb" in rows and FLOOR in rows:

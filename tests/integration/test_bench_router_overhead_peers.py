@@ -47,6 +47,22 @@ def test_peers_mode_measures_prefixlb_and_a_baseline_checkout_against_the_worker
     assert "cpu_us_per_request" not in direct and direct["req_per_s"] > 0
 
 
+def test_peers_mode_runs_this_checkout_s_router_on_another_named_interpreter_too(tmp_path):
+    # The other interpreter is this one behind a wrapper that notes its commands: it, not this
+    # one, must build the compiled loops and run the router measured as prefixlb@again.
+    ran = tmp_path / "ran"
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f'#!/bin/sh\necho "$*" >> {ran}\nexec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    result = _run("--routers", "prefixlb", "--python", f"again={wrapper}")
+
+    assert list(result["targets"]) == ["direct", "prefixlb", "prefixlb@again"]
+    _assert_measured(result["targets"]["prefixlb@again"])
+    commands = ran.read_text().splitlines()
+    assert any(c.startswith("setup.py -q build_ext --inplace") for c in commands), commands
+    assert sum(c.startswith("-m prefixlb router ") for c in commands) == 1, commands
+
+
 def test_peers_mode_measures_the_python_floor_streaming_and_not():
     result = _run("--routers", "python-floor")
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from bench.router_pythons import interpreter
+from bench.cluster import interpreter
 from tests.support import ROOT
 
 
