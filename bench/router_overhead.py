@@ -9,7 +9,8 @@
 ``--peers`` is ``bench/peers/overhead.py``: prefixlb, sglang-router 0.3.2, vllm-router 0.1.17 and the
 floor of a Python router (``bench/peers/floor.py``)
 in front of the same simulated workers, interleaved rounds (``--python NAME=EXECUTABLE``: this
-checkout's router on another interpreter too, as ``prefixlb@NAME``; the floor stays on this one);
+checkout's router and the floor on another interpreter too, as ``prefixlb@NAME`` and
+``python-floor@NAME``);
 what follows is the default mode.
 
 One simulated worker (``prefixlb worker --simulate --time-scale 1000``: the same HTTP server,
@@ -228,8 +229,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="--peers: another checkout of prefixlb (e.g. `git archive <commit> | tar -x -C /tmp/base`) "
                              "whose router runs too, as prefixlb@baseline: before / after in one run")
     parser.add_argument("--python", type=interpreter, action="append", default=[], metavar="NAME=EXECUTABLE",
-                        help="--peers: also run this checkout's router on another interpreter (with the router's "
-                             "dependencies), as prefixlb@NAME: e.g. a PGO+LTO build, as the router image's (repeatable)")
+                        help="--peers: also run this checkout's router (and the python-floor) on another interpreter "
+                             "(with the router's dependencies), as prefixlb@NAME: e.g. a PGO+LTO build, as the router "
+                             "image's (repeatable)")
     parser.add_argument("--serve-bare-proxy", nargs=2, metavar=("PORT", "UPSTREAM"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_bare_proxy:
@@ -274,6 +276,8 @@ def _peers(args: argparse.Namespace) -> int:
     unknown = set(routers) - set(ROUTERS)
     if unknown:
         raise SystemExit(f"--routers: unknown {', '.join(sorted(unknown))} (known: {', '.join(ROUTERS)})")
+    if any(name == "baseline" for name, _ in args.python):
+        raise SystemExit("--python: the name 'baseline' is --baseline's (prefixlb@baseline)")
     n_seq = args.requests or (50 if args.quick else 150)
     if args.streaming:
         streamed = peers_streaming(routers, workers=args.workers, rounds=args.rounds, n=2 * n_seq,

@@ -153,15 +153,19 @@ def start(c: Cluster, routers: Sequence[str], workers: int, policy: str, venv: P
     """The workers, then each router in front of them; [direct, *routers] as targets
     (``baseline``: a checkout of prefixlb whose router runs too, as ``prefixlb@baseline``;
     ``pythons``: (name, executable) of other interpreters that each run this checkout's router
-    too, as ``prefixlb@name``, their compiled loops built in place first)."""
+    too, as ``prefixlb@name``, their compiled loops built in place first, and the python-floor,
+    as ``python-floor@name``, where those two are among ``routers``)."""
     for _, exe in pythons:
         build_extensions(exe)
     fleet = c.workers(workers, time_scale=time_scale)
     targets = [Target("direct", [w.url for w in fleet])]
     named = dict(pythons)
-    for name in [*routers, *(["prefixlb@baseline"] if baseline else []), *(f"prefixlb@{n}" for n in named)]:
+    others = [f"{router}@{n}" for n in named for router in ("prefixlb", FLOOR) if router in routers]
+    for name in [*routers, *(["prefixlb@baseline"] if baseline else []), *others]:
         if name == FLOOR:
             proc = c.floor(fleet)
+        elif name.startswith(FLOOR + "@"):
+            proc = c.floor(fleet, python=named[name.partition("@")[2]], name=name.replace("@", "-"))
         elif name.startswith("prefixlb"):
             if name == "prefixlb@baseline":
                 proc = c.router(fleet, policy, source=baseline)
@@ -300,9 +304,11 @@ def report(result: dict) -> str:
             lines.append(f"{mine} / {other}: CPU per request {p['cpu_us_per_request'] / s['cpu_us_per_request']:.2f}x, "
                          f"added p50 {p['added_p50_ms']:.2f} vs {s['added_p50_ms']:.2f} ms, "
                          f"req/s {p['req_per_s'] / s['req_per_s']:.2f}x")
-    if "prefixlb" in rows and FLOOR in rows:
-        p, f = rows["prefixlb"], rows[FLOOR]
-        lines.append(f"prefixlb over {FLOOR} (its own work, beyond the event loop and sockets): CPU per request "
-                     f"+{p['cpu_us_per_request'] - f['cpu_us_per_request']:.0f} µs, added p50 "
-                     f"+{p['added_p50_ms'] - f['added_p50_ms']:.2f} ms")
+    for mine in ours:
+        floor = FLOOR + mine[len("prefixlb"):]  # the floor on the same interpreter
+        if floor in rows:
+            p, f = rows[mine], rows[floor]
+            lines.append(f"{mine} over {floor} (its own work, beyond the event loop and sockets): CPU per request "
+                         f"+{p['cpu_us_per_request'] - f['cpu_us_per_request']:.0f} µs, added p50 "
+                         f"+{p['added_p50_ms'] - f['added_p50_ms']:.2f} ms")
     return "\n".join(lines)

@@ -54,13 +54,15 @@ def test_peers_mode_runs_this_checkout_s_router_on_another_named_interpreter_too
     wrapper = tmp_path / "python"
     wrapper.write_text(f'#!/bin/sh\necho "$*" >> {ran}\nexec {sys.executable} "$@"\n')
     wrapper.chmod(0o755)
-    result = _run("--routers", "prefixlb", "--python", f"again={wrapper}")
+    result = _run("--routers", "prefixlb,python-floor", "--python", f"again={wrapper}")
 
-    assert list(result["targets"]) == ["direct", "prefixlb", "prefixlb@again"]
+    assert list(result["targets"]) == ["direct", "prefixlb", "python-floor", "prefixlb@again", "python-floor@again"]
     _assert_measured(result["targets"]["prefixlb@again"])
+    _assert_measured(result["targets"]["python-floor@again"])
     commands = ran.read_text().splitlines()
     assert any(c.startswith("setup.py -q build_ext --inplace") for c in commands), commands
     assert sum(c.startswith("-m prefixlb router ") for c in commands) == 1, commands
+    assert sum(c.startswith("-m bench.peers.floor ") for c in commands) == 1, commands
 
 
 def test_peers_mode_measures_the_python_floor_streaming_and_not():
@@ -94,3 +96,9 @@ def test_streaming_peers_mode_counts_every_event_of_every_stream():
         assert row["events_per_request"] == 64  # every token's event, through each router, counted once
         assert row["cpu_us_per_request"] >= 0 and row["cpu_us_per_event"] >= 0
         assert len(row["cpu_us_per_event_rounds"]) == 1
+
+
+def test_peers_mode_refuses_an_interpreter_named_like_the_baseline():
+    proc = subprocess.run([sys.executable, "-m", "bench.router_overhead", "--peers", "--python",
+                           f"baseline={sys.executable}"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "'baseline' is --baseline's" in proc.stderr
