@@ -7,11 +7,9 @@
     python -m bench.router_overhead --peers --python pgo=/tmp/rdeb/bin/python   # and on another CPython
 
 ``--peers`` is ``bench/peers/overhead.py``: prefixlb, sglang-router 0.3.2, vllm-router 0.1.17 and the
-floor of a Python router (``bench/peers/floor.py``)
-in front of the same simulated workers, interleaved rounds (``--python NAME=EXECUTABLE``: this
-checkout's router and the floor on another interpreter too, as ``prefixlb@NAME`` and
-``python-floor@NAME``);
-what follows is the default mode.
+floor of a Python router (``bench/peers/floor.py``) in front of the same simulated workers,
+interleaved rounds (``--python NAME=EXECUTABLE``: this checkout's router and the floor on another
+interpreter too, as ``prefixlb@NAME`` and ``python-floor@NAME``); what follows is the default mode.
 
 One simulated worker (``prefixlb worker --simulate --time-scale 1000``: the same HTTP server,
 near-zero model time, so the HTTP and routing costs dominate) and one router in front of it
