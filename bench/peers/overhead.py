@@ -155,23 +155,24 @@ def start(c: Cluster, routers: Sequence[str], workers: int, policy: str, venv: P
     ``pythons``: (name, executable) of other interpreters that each run this checkout's router
     too, as ``prefixlb@name``, their compiled loops built in place first, and the python-floor,
     as ``python-floor@name``, where those two are among ``routers``)."""
-    for _, exe in pythons:
+    # (target name, the interpreter of a Python router on another one than this)
+    entries: list[tuple[str, str | None]] = [(name, None) for name in routers]
+    if baseline:
+        entries.append(("prefixlb@baseline", None))
+    entries += [(f"{kind}@{tag}", exe) for tag, exe in pythons for kind in ("prefixlb", FLOOR) if kind in routers]
+    for exe in dict.fromkeys(exe for _, exe in entries if exe):
         build_extensions(exe)
     fleet = c.workers(workers, time_scale=time_scale)
     targets = [Target("direct", [w.url for w in fleet])]
-    named = dict(pythons)
-    others = [f"{router}@{n}" for n in named for router in ("prefixlb", FLOOR) if router in routers]
-    for name in [*routers, *(["prefixlb@baseline"] if baseline else []), *others]:
-        if name == FLOOR:
-            proc = c.floor(fleet)
-        elif name.startswith(FLOOR + "@"):
-            proc = c.floor(fleet, python=named[name.partition("@")[2]], name=name.replace("@", "-"))
-        elif name.startswith("prefixlb"):
+    for name, python in entries:
+        kind = name.partition("@")[0]
+        if kind == FLOOR:
+            proc = c.floor(fleet, python=python, name=name.replace("@", "-"))
+        elif kind == "prefixlb":
             if name == "prefixlb@baseline":
                 proc = c.router(fleet, policy, source=baseline)
-            elif "@" in name:  # this checkout on another interpreter
-                proc = c.router(fleet, policy, source=ROOT, python=named[name.partition("@")[2]],
-                                name=f"router-{name.replace('@', '-')}")
+            elif python:  # this checkout, on another interpreter (which has no prefixlb installed)
+                proc = c.router(fleet, policy, source=ROOT, python=python, name=f"router-{name.replace('@', '-')}")
             else:
                 proc = c.router(fleet, policy)
             wait_http_ok(proc.url + "/health", 30, accept=lambda b: json.loads(b)["routable_workers"] == workers)
