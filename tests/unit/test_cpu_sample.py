@@ -1,6 +1,7 @@
 """``bench/cpu_sample.py``: CPU-time stack samples of a program, and their shares."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -37,3 +38,9 @@ def test_a_program_burning_cpu_in_one_function_is_sampled_there_and_sleep_is_not
     assert within[burn] / total > 0.8
     assert not any(frame.startswith("idle (") for frame in within)
     assert "burn (" in report(str(out), 5)
+    # what the run gave, against what was asked (the kernel's tick may space samples further)
+    said = re.search(r"cpu_sample: (\d+) samples in ([\d.]+) s of CPU: one every ([\d.]+) ms \(asked: 2.0 ms\)",
+                     proc.stderr)
+    assert said is not None, proc.stderr
+    assert int(said.group(1)) == total and float(said.group(2)) >= 0.4
+    assert float(said.group(3)) >= 2.0 * 0.9  # never more often than asked
