@@ -22,9 +22,9 @@ looked, not always where the CPU went: in a simulation driven by a compiled even
 (``bench/sim/_simloop.c`` calling back into the replicas' Python), ~10 % of the samples fell on
 the line of a C call (``observe_decode_run``) that ``perf record`` puts under 0.3 % of the
 process. Where compiled code is involved, ``perf record`` tells which C functions the time is
-really in. And the kernel delivers the timer's signal on its
-scheduler tick, so the interval is at least one tick (4.2 ms measured on this box) whatever
-``--interval`` asks: the program's end prints how many samples its CPU time gave.
+really in. And the kernel delivers the timer's signal on its scheduler tick, so the interval is
+at least one tick (4.2 ms measured on this box) whatever ``--interval`` asks: the program's end
+prints how many samples its CPU time gave.
 """
 from __future__ import annotations
 
