@@ -29,8 +29,6 @@ from bench.peers.overhead import Target, closed_loop, sequential
 from bench.stats import rotated
 
 
-
-
 def measure(pythons: list[tuple[str, str]], rounds: int, requests: int, sequential_n: int) -> list[Target]:
     """One router per interpreter in front of the same four workers: their targets, measured."""
     with tempfile.TemporaryDirectory(prefix="router-pythons-") as logs, cluster(logs) as c:

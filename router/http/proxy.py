@@ -100,10 +100,10 @@ class ProxyRequest:
     ttfb_s: float | None = None
     attempts: int = 0
     booking: BookedAttempt | None = None  # the attempt that answered: its usage, once read
-    # The running loop, where the caller holds it (router/http/front.py's loop_of): asyncio's
-    # get_running_loop() is a getpid() system call on CPython 3.11; the proxy needs the loop
-    # for its times, its guards and the booking's release. None: the proxy asks asyncio.
-    loop: asyncio.AbstractEventLoop | None = None
+    # The running loop (router/http/front.py's loop_of: asyncio's get_running_loop() is a
+    # getpid() system call on CPython 3.11); the proxy needs it for its times, its guards and
+    # the booking's release.
+    loop: asyncio.AbstractEventLoop
 
 
 class _Failed(Exception):
@@ -125,9 +125,9 @@ class _Guard:
 
     __slots__ = ("_guards", "_loop", "_task", "_cancelling", "_state", "_handle")
 
-    def __init__(self, guards: set, loop: asyncio.AbstractEventLoop | None = None) -> None:
+    def __init__(self, guards: set, loop: asyncio.AbstractEventLoop) -> None:
         self._guards = guards
-        self._loop = loop  # the running loop (None: asked of asyncio when needed)
+        self._loop = loop  # the running loop
         self._task: asyncio.Task | None = None
         self._cancelling = 0
         self._state = _ACTIVE
@@ -168,7 +168,7 @@ class _Guard:
         """End the guarded block: its task is cancelled in the loop's next turn."""
         if self._handle is not None:
             self._handle.cancel()
-        self._handle = (self._loop or asyncio.get_running_loop()).call_soon(self._on_expire)
+        self._handle = self._loop.call_soon(self._on_expire)
 
     def _on_expire(self) -> None:
         self._task.cancel()  # type: ignore[union-attr]
@@ -244,7 +244,7 @@ class Proxy:
         if w.worker_id is not None and not self._guards.get(w.worker_id):
             self._guards.pop(w.worker_id, None)
 
-    def _guard(self, worker_id: str, loop: asyncio.AbstractEventLoop | None = None) -> _Guard:
+    def _guard(self, worker_id: str, loop: asyncio.AbstractEventLoop) -> _Guard:
         guards = self._guards.get(worker_id)
         if guards is None:
             guards = self._guards[worker_id] = set()
@@ -254,8 +254,6 @@ class Proxy:
     async def handle(self, request: web.Request, preq: ProxyRequest) -> web.StreamResponse:
         """Admit, route ``preq`` and answer ``request`` with the chosen worker's response."""
         loop = preq.loop
-        if loop is None:
-            loop = preq.loop = asyncio.get_running_loop()
         arrived = loop.time()
         admission = self.admission
         deadline = admission.deadline(arrived)

@@ -1,6 +1,7 @@
 """The router's small pure pieces at its edges: SSE usage tap, snapshots, config, request helpers."""
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -140,7 +141,7 @@ async def test_the_proxy_forgets_the_guards_of_workers_that_left():
     proxy = Proxy(Balancer(), registry, RouterMetrics(), WorkerConnections(1.0, 1.0), 1)
     for i in range(50):
         registry.add(f"http://127.0.0.1:{9000 + i}", "admin", f"pod-{i}")
-        proxy._guard(f"pod-{i}")
+        proxy._guard(f"pod-{i}", asyncio.get_running_loop())
         registry.remove(f"pod-{i}")
     assert proxy._guards == {}
 
@@ -159,7 +160,7 @@ async def test_an_aborted_worker_ends_its_guarded_attempts_with_a_timeout_error(
     import asyncio
 
     proxy = _guarded_proxy()
-    guard = proxy._guard("w1")
+    guard = proxy._guard("w1", asyncio.get_running_loop())
     entered = asyncio.Event()
 
     async def attempt() -> None:
@@ -183,7 +184,7 @@ async def test_a_client_disconnect_during_an_abort_stays_a_cancellation():
     entered = asyncio.Event()
 
     async def attempt() -> None:
-        async with proxy._guard("w1"):
+        async with proxy._guard("w1", asyncio.get_running_loop()):
             entered.set()
             await asyncio.sleep(30)
 
@@ -199,7 +200,7 @@ async def test_a_guard_left_before_its_abort_lands_is_not_cancelled():
     import asyncio
 
     proxy = _guarded_proxy()
-    guard = proxy._guard("w1")
+    guard = proxy._guard("w1", asyncio.get_running_loop())
     async with guard:
         assert proxy.abort_worker("w1") == 1
     await asyncio.sleep(0.01)  # the turn in which the abort would have landed
